@@ -1,0 +1,64 @@
+// The one parameter block every cuflash kernel receives, by value.
+//
+// cuflash/params.py builds its numpy mirror by reading the field list of this struct, so the
+// field order here is the single source of truth; CUFLASH_PARAMS_BYTES (the mirror's size,
+// passed by the build layer) is checked below so a drifted mirror fails to compile.
+//
+// Layout conventions (all strides in elements, not bytes):
+//   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, H, Dv): "bshd", the last
+//   dimension contiguous, every other stride free. dout/dq/dk/dv mirror o/q/k/v.
+//   lse, dlse (B, H, Sq) fp32 with rows contiguous; softmax_d (B, H, Sq) fp32 contiguous.
+//   Scratch buffers are contiguous and padded to the variant's head-dim bucket kHeadDim:
+//   dq_accum (B, H, Sq, kHeadDim), dk_accum (B, H, Sk, kHeadDim), dv_accum (B, H, Sk, kHeadDim).
+#pragma once
+
+namespace cuflash {
+
+struct AttnParams {
+    // Forward operands.
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+    // Backward operands.
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    float* dq_accum;    // fp32 dQ accumulator (unscaled), or null
+    float* dk_accum;    // fp32 per-query-head dK partials when H != Hkv, else null
+    float* dv_accum;    // fp32 per-query-head dV partials when H != Hkv, else null
+    float* softmax_d;   // rowsum(dO * O) - dlse, written by the backward pre-pass
+    const float* dlse;  // gradient flowing into lse, or null
+
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+    long long dlse_batch_stride, dlse_head_stride;
+
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int num_heads;
+    int num_heads_k;
+    int head_dim;       // runtime D   (<= the variant's kHeadDim bucket)
+    int head_dim_v;     // runtime Dv  (<= the variant's kHeadDim bucket)
+    int h_per_kv;       // num_heads / num_heads_k
+    int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
+    float scale;        // softmax scale applied to q.k
+    float scale_log2;   // scale * log2(e), folded into exp2
+};
+
+#ifdef CUFLASH_PARAMS_BYTES
+static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES,
+              "AttnParams and its numpy mirror in cuflash/params.py disagree");
+#endif
+
+}  // namespace cuflash

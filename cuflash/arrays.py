@@ -1,0 +1,118 @@
+"""The array boundary: any ``__dlpack__`` CUDA array in, a small description out, zero-copy.
+
+Shapes, strides (in elements), dtype, base pointer and device are read once into a
+:class:`TensorDesc`; validation and the launcher work on those. The CuPy view that
+``cupy.from_dlpack`` returns shares memory with the caller's array (JAX, torch, CuPy): nothing is
+ever copied here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+try:  # ml_dtypes registers bfloat16 with numpy; CuPy 14 understands it.
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency
+    BFLOAT16 = None
+
+#: dtypes the kernels take, by canonical name.
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+
+# DLPack device types (dlpack.h: DLDeviceType).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_DEVICE_NAMES = {1: "the CPU", 2: "CUDA", 3: "CUDA pinned host memory", 4: "OpenCL",
+                    7: "Vulkan", 8: "Metal", 10: "ROCm", 13: "CUDA managed memory"}
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a numpy / ml_dtypes / JAX / torch dtype: 'bfloat16', 'float32', ..."""
+    name = str(getattr(dtype, "name", dtype))
+    return name.removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDesc:
+    """What the launcher needs to know about one array."""
+
+    name: str  # the argument's name, for error messages
+    shape: tuple
+    strides: tuple  # in elements
+    dtype: str  # canonical dtype name
+    itemsize: int
+    ptr: int
+    device: int
+    array: object = dataclasses.field(default=None, compare=False, repr=False)  # the CuPy view
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def require_cuda(x, name: str) -> None:
+    """Reject non-arrays and arrays off the GPU, without touching CUDA (works on any machine)."""
+    if type(x).__module__.startswith("cupy"):
+        return
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        raise TypeError(
+            f"{name} must be a CUDA array supporting DLPack (CuPy, JAX, PyTorch, ...), "
+            f"got {type(x).__name__}"
+        )
+    device_type, _ = x.__dlpack_device__()
+    if int(device_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        where = _DL_DEVICE_NAMES.get(int(device_type), f"DLPack device type {int(device_type)}")
+        raise ValueError(f"{name} is on {where}; cuflash needs arrays on a CUDA GPU")
+
+
+def describe(x, name: str) -> TensorDesc:
+    """Describe a CUDA array given to argument ``name``, rejecting anything the kernels cannot read."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return describe_cupy(x, name)
+    require_cuda(x, name)
+    return describe_cupy(cupy.from_dlpack(x), name)
+
+
+def describe_cupy(arr, name: str) -> TensorDesc:
+    itemsize = arr.dtype.itemsize
+    for stride in arr.strides:
+        if stride % itemsize:
+            raise ValueError(f"{name} has a stride of {stride} bytes, not a multiple of its item size {itemsize}")
+    return TensorDesc(
+        name=name,
+        shape=tuple(arr.shape),
+        strides=tuple(s // itemsize for s in arr.strides),
+        dtype=dtype_name(arr.dtype),
+        itemsize=itemsize,
+        ptr=int(arr.data.ptr),
+        device=int(arr.device.id),
+        array=arr,
+    )
+
+
+_external_streams: dict = {}
+
+
+def resolve_stream(stream):
+    """``stream=``: None (CuPy's current stream), a CuPy stream, a raw ``cudaStream_t`` int, or any
+    object with an int ``cuda_stream`` attribute (a torch stream). Returns a CuPy stream object."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return stream
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, (int, np.integer)) and not isinstance(handle, bool):
+        handle = int(handle)
+        cached = _external_streams.get(handle)
+        if cached is None:
+            cached = cupy.cuda.ExternalStream(handle)
+            _external_streams[handle] = cached
+        return cached
+    raise TypeError(
+        f"stream must be a CuPy stream, a raw cudaStream_t int or None, got {type(stream).__name__}"
+    )

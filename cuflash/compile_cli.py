@@ -1,0 +1,41 @@
+"""``python -m cuflash compile``: build every kernel variant and print its resources."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from . import build, kernels
+
+
+def run_compile(archs, workers=None) -> int:
+    if not archs:
+        try:
+            archs = [build.arch_of_compute_capability(build._current_compute_capability())]
+        except Exception:
+            print("no GPU found: name the targets, e.g. python -m cuflash compile --arch sm_80 --arch sm_90a",
+                  file=sys.stderr)
+            return 2
+    workers = workers or max(1, os.cpu_count() or 1)
+    failed = 0
+    for arch in archs:
+        variants = kernels.all_variants(build.arch_number(arch))
+        start = time.perf_counter()
+        try:
+            results = build.precompile(arch, variants, workers=workers)
+        except build.CompileError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        wall = time.perf_counter() - start
+        by_variant = {r.variant: r for r in results}
+        print(f"\n{arch}: {len(results)} variants, {wall:.1f} s wall on {workers} workers, "
+              f"{sum(r.compile_seconds for r in results):.1f} s of compiling "
+              f"({sum(r.cached for r in results)} from the cache)")
+        print(f"{'kernel':<96} {'regs':>5} {'smem':>7} {'spill':>6} {'stack':>6} {'sec':>5}")
+        for variant in variants:
+            r = by_variant[variant]
+            spill = r.spill_stores + r.spill_loads
+            print(f"{build.render_name(variant):<96} {r.registers:>5} {variant.smem_bytes + r.static_smem_bytes:>7} "
+                  f"{spill:>6} {r.stack_bytes:>6} {r.compile_seconds:>5.1f}")
+    return 1 if failed else 0

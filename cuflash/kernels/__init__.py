@@ -1,0 +1,115 @@
+"""Kernel plans: which kernel variants run, in which order, on which grid, for a problem shape.
+
+Each kernel family has one module here, next to its source in ``cuda_src/``:
+
+- ``forward_sm80``: tensor-core forward (fp16 / bf16), ``flash_fwd_sm80.cu``
+- ``backward_sm80``: tensor-core backward (fp16 / bf16), ``flash_bwd_sm80.cu``
+- ``simt``: true-fp32 forward and backward, ``flash_simt.cu``
+
+A family module exposes ``plan_forward(shape, arch)``, ``plan_backward(shape, arch, deterministic)``
+(where it has one) and ``all_variants(arch)``; :func:`plan_forward` / :func:`plan_backward` below pick
+the family. Nothing here touches a GPU: plans are plain data, so CPU tests and the ``compile``
+command can enumerate them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Head-dim buckets: one compiled variant serves every multiple of 8 up to its bucket.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The smallest bucket holding ``head_dim`` (the kernel zero-fills the columns past it)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head_dim={head_dim} is larger than the largest supported ({MAX_HEAD_DIM})")
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """What a plan depends on: sizes, dtype name and the layout-changing options."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    num_heads: int
+    num_heads_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str  # "float16", "bfloat16" or "float32"
+    causal: bool
+
+    @property
+    def head_dim_bucket(self) -> int:
+        return head_dim_bucket(max(self.head_dim, self.head_dim_v))
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: a template instantiation in one source file."""
+
+    source: str  # file under cuda_src/, e.g. "flash_fwd_sm80.cu"
+    name: str  # qualified template name, e.g. "cuflash::flash_fwd_kernel"
+    template_args: tuple  # dtype names (str), ints and bools, rendered by cuflash.build.render_name
+    threads: int  # threads per block
+    smem_bytes: int  # dynamic shared memory per block
+
+
+@dataclass(frozen=True)
+class Launch:
+    variant: KernelVariant
+    grid: tuple  # (x, y, z)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launches in order, plus the fp32 scratch buffers they need.
+
+    ``scratch`` maps an ``AttnParams`` pointer field (``"dq_accum"``, ``"dk_accum"``, ``"dv_accum"``,
+    ``"softmax_d"``) to the shape of a contiguous float32 buffer. Scratch arrives uninitialized:
+    the kernels initialize whatever they accumulate into.
+    """
+
+    launches: tuple
+    scratch: tuple = ()  # ((field, shape), ...)
+
+    def scratch_dict(self) -> dict:
+        return dict(self.scratch)
+
+
+def _family(shape: ProblemShape):
+    if shape.dtype == "float32":
+        from . import simt
+
+        return simt
+    from . import forward_sm80, backward_sm80
+
+    return forward_sm80, backward_sm80
+
+
+def plan_forward(shape: ProblemShape, arch: int) -> Plan:
+    family = _family(shape)
+    module = family if not isinstance(family, tuple) else family[0]
+    return module.plan_forward(shape, arch)
+
+
+def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
+    family = _family(shape)
+    module = family if not isinstance(family, tuple) else family[1]
+    return module.plan_backward(shape, arch, deterministic)
+
+
+def all_variants(arch: int) -> list:
+    """Every kernel variant the package can launch on ``arch``, without duplicates."""
+    from . import backward_sm80, forward_sm80, simt
+
+    seen, out = set(), []
+    for module in (forward_sm80, backward_sm80, simt):
+        for variant in module.all_variants(arch):
+            if variant not in seen:
+                seen.add(variant)
+                out.append(variant)
+    return out

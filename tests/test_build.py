@@ -1,0 +1,118 @@
+"""Build layer on the CPU: name rendering, the params mirror, cache keys, and every variant compiling."""
+import shutil
+
+import numpy as np
+import pytest
+
+from cuflash import build, kernels, params, sources
+from cuflash.kernels import KernelVariant
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC binding (install an extra)")
+
+ARCHS = ("sm_80", "sm_90a")
+
+
+def _probe_source() -> str:
+    """A kernel that writes the byte offset of every AttnParams field (NVRTC has no offsetof, so
+    the offsets are checked on a GPU; the size is checked at compile time by params.cuh itself)."""
+    dtype = params.params_dtype()
+    writes = "\n".join(
+        f"  out[{i}] = (long long)((const char*)&p.{name} - (const char*)&p);"
+        for i, name in enumerate(dtype.names)
+    )
+    return (
+        '#include "cuflash/params.cuh"\n'
+        "namespace cuflash { template <int kUnused> __global__ void probe_kernel(const AttnParams p) {\n"
+        "  long long* out = reinterpret_cast<long long*>(p.lse);\n"
+        f"{writes}\n"
+        "} }\n"
+    )
+
+
+@pytest.fixture
+def source_copy(tmp_path, monkeypatch):
+    """A private copy of cuda_src/ with the probe kernel, and a private disk cache."""
+    src = tmp_path / "cuda_src"
+    shutil.copytree(sources.source_dir(), src)
+    (src / "probe.cu").write_text(_probe_source())
+    monkeypatch.setenv("CUFLASH_SOURCE_DIR", str(src))
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    return src
+
+
+PROBE = KernelVariant("probe.cu", "cuflash::probe_kernel", (3,), threads=32, smem_bytes=0)
+
+
+def test_render_name_spells_every_argument_kind():
+    variant = KernelVariant("x.cu", "cuflash::k", ("bfloat16", 128, True, "float16", False, "float32"), 128, 0)
+    assert build.render_name(variant) == "cuflash::k<__nv_bfloat16, 128, true, __half, false, float>"
+    with pytest.raises(TypeError, match="template argument"):
+        build.render_name(KernelVariant("x.cu", "cuflash::k", (1.5,), 32, 0))
+
+
+def test_params_mirror_has_the_c_struct_size(source_copy):
+    compiled = build.compile_variant(PROBE, "sm_80")  # params.cuh static_asserts the size
+    assert compiled.lowered_name.startswith("_ZN7cuflash12probe_kernel")
+
+
+@pytest.mark.gpu
+def test_params_mirror_matches_the_c_struct_field_by_field(source_copy):
+    import cupy
+
+    dtype = params.params_dtype()
+    offsets = cupy.full(len(dtype.names), -1, dtype=cupy.int64)
+    block = params.new_params()
+    block[0]["lse"] = offsets.data.ptr
+    kernel = build.get_kernel(PROBE, cupy.cuda.runtime.getDevice(), cupy.cuda.Device().compute_capability)
+    kernel.function((1, 1, 1), (1, 1, 1), (block,))
+    expected = [dtype.fields[name][1] for name in dtype.names]
+    assert offsets.get().tolist() == expected
+
+
+def test_params_mirror_drift_fails_the_build(source_copy, monkeypatch):
+    header = (source_copy / "cuflash" / "params.cuh").read_text()
+    stale = np.dtype(params._fields_of(header) + [("drifted", np.int64)], align=True)
+    monkeypatch.setattr(params, "params_dtype", lambda: stale)
+    monkeypatch.setattr(build, "_toolchain_cache", {})
+    with pytest.raises(build.CompileError, match="disagree"):
+        build.compile_variant(PROBE, "sm_80")
+
+
+def test_header_edit_forces_a_rebuild(source_copy):
+    first = build.compile_variant(PROBE, "sm_90a")
+    again = build.compile_variant(PROBE, "sm_90a")
+    assert not first.cached and again.cached and again.cubin_path == first.cubin_path
+    header = source_copy / "cuflash" / "mask.cuh"  # a header the probe does not even include
+    header.write_text(header.read_text() + "\n// edited\n")
+    rebuilt = build.compile_variant(PROBE, "sm_90a")
+    assert not rebuilt.cached and rebuilt.cubin_path != first.cubin_path
+
+
+def test_compile_error_carries_the_log(source_copy):
+    (source_copy / "broken.cu").write_text("namespace cuflash { template <int N> __global__ void k() { undefined_name; } }\n")
+    with pytest.raises(build.CompileError, match="undefined_name"):
+        build.compile_variant(KernelVariant("broken.cu", "cuflash::k", (1,), 32, 0), "sm_80")
+
+
+def test_every_variant_has_a_sane_launch_shape():
+    for arch in (80, 86, 89, 90):
+        variants = kernels.all_variants(arch)
+        assert variants, arch
+        limit = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}[arch]
+        for v in variants:
+            assert 32 <= v.threads <= 1024 and v.threads % 32 == 0, v
+            assert 0 <= v.smem_bytes <= limit, (arch, v)
+            build.render_name(v)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
+    results = build.precompile(arch, workers=None)
+    assert len(results) == len(kernels.all_variants(build.arch_number(arch)))
+    hot = [r for r in results
+           if r.variant.name in ("cuflash::flash_fwd_kernel", "cuflash::flash_bwd_dkdv_kernel")
+           and r.variant.template_args[0] == "bfloat16" and r.variant.template_args[1] in (64, 128)]
+    assert hot, "no hot kernels found"
+    spilled = [(build.render_name(r.variant), r.spill_stores, r.spill_loads) for r in hot
+               if r.spill_stores or r.spill_loads]
+    assert not spilled, spilled

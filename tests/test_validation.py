@@ -1,0 +1,170 @@
+"""Every validation rule of API.md's "Errors" section, on the CPU: each misuse raises a clear error
+that names the argument. (tests/test_extremes_gpu.py repeats the table through the public API on a GPU.)"""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import validation
+from cuflash.arrays import TensorDesc, resolve_stream
+
+pytest.importorskip("cupy")
+
+
+def desc(name, shape, dtype="bfloat16", *, strides=None, ptr=1 << 20, device=0):
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4}[dtype]
+    if strides is None:
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.append(acc)
+            acc *= size
+        strides = tuple(reversed(strides))
+    return TensorDesc(name, tuple(shape), tuple(strides), dtype, itemsize, ptr, device)
+
+
+def qkv(b=2, sq=17, sk=33, h=8, hk=2, d=64, dv=None, dtype="bfloat16"):
+    return (desc("q", (b, sq, h, d), dtype), desc("k", (b, sk, hk, d), dtype),
+            desc("v", (b, sk, hk, dv or d), dtype))
+
+
+def test_valid_inputs_give_the_problem_shape():
+    shape = validation.check_qkv(*qkv(dv=128), causal=True)
+    assert (shape.batch, shape.seqlen_q, shape.seqlen_k, shape.num_heads, shape.num_heads_k) == (2, 17, 33, 8, 2)
+    assert (shape.head_dim, shape.head_dim_v, shape.dtype, shape.causal) == (64, 128, "bfloat16", True)
+    assert shape.head_dim_bucket == 128
+
+
+def test_bhsd_view_passed_as_bshd_is_accepted():
+    b, h, s, d = 2, 4, 10, 64
+    # strides of a (B, H, S, D) contiguous array, viewed as (B, S, H, D)
+    q = desc("q", (b, s, h, d), strides=(h * s * d, d, s * d, 1))
+    k = desc("k", (b, s, h, d), strides=(h * s * d, d, s * d, 1))
+    validation.check_qkv(q, k, k, causal=False)
+
+
+def _replace(t, **changes):
+    import dataclasses
+
+    return dataclasses.replace(t, **changes)
+
+
+BAD_QKV = [
+    ("wrong ndim", lambda q, k, v: (desc("q", (2, 17, 64)), k, v), ValueError, "q must have 4 dimensions"),
+    ("unsupported dtype", lambda q, k, v: (desc("q", q.shape, "float64"), k, v), TypeError, "q has dtype float64"),
+    ("mixed dtypes", lambda q, k, v: (q, desc("k", k.shape, "float16"), v), TypeError, "k has dtype float16 but q has bfloat16"),
+    ("two devices", lambda q, k, v: (q, k, _replace(v, device=1)), ValueError, "v is on CUDA device 1"),
+    ("batch mismatch", lambda q, k, v: (q, desc("k", (3, 33, 2, 64)), v), ValueError, "batch sizes differ"),
+    ("k/v length mismatch", lambda q, k, v: (q, k, desc("v", (2, 34, 2, 64))), ValueError, "v has 34 keys but k has 33"),
+    ("k/v heads mismatch", lambda q, k, v: (q, k, desc("v", (2, 33, 4, 64))), ValueError, "v has 4 heads but k has 2"),
+    ("q/k head dim mismatch", lambda q, k, v: (q, desc("k", (2, 33, 2, 72)), v), ValueError, "k has head dim 72 but q has 64"),
+    ("H not divisible by Hkv", lambda q, k, v: (q, desc("k", (2, 33, 3, 64)), desc("v", (2, 33, 3, 64))),
+     ValueError, "k has 3 heads, which does not divide q's 8 heads"),
+    ("head dim not multiple of 8", lambda q, k, v: (desc("q", (2, 17, 8, 12)), desc("k", (2, 33, 2, 12)), desc("v", (2, 33, 2, 12))),
+     ValueError, "q has head dim 12"),
+    ("head dim too large", lambda q, k, v: (desc("q", (2, 17, 8, 264)), desc("k", (2, 33, 2, 264)), desc("v", (2, 33, 2, 264))),
+     ValueError, "q has head dim 264"),
+    ("Dv unsupported", lambda q, k, v: (q, k, desc("v", (2, 33, 2, 20))), ValueError, r"v has head dim \(Dv\) 20"),
+    ("non-contiguous last dim", lambda q, k, v: (_replace(q, strides=(17 * 8 * 128, 8 * 128, 128, 2)), k, v),
+     ValueError, "q must be contiguous in its last dimension"),
+    ("misaligned base pointer", lambda q, k, v: (q, _replace(k, ptr=(1 << 20) + 2), v), ValueError,
+     "k's base pointer is not 16-byte aligned"),
+    ("misaligned row stride", lambda q, k, v: (desc("q", (2, 17, 1, 64), strides=(17 * 72, 68, 64, 1)),
+                                               desc("k", (2, 33, 1, 64)), desc("v", (2, 33, 1, 64))),
+     ValueError, "q's stride along axis 1"),
+    ("negative stride", lambda q, k, v: (q, k, _replace(v, strides=(v.strides[0], -v.strides[1], v.strides[2], 1))),
+     ValueError, "v has negative strides"),
+    ("too many heads for the grid", lambda q, k, v: (desc("q", (1, 4, 70000, 64)), desc("k", (1, 4, 1, 64)), desc("v", (1, 4, 1, 64))),
+     ValueError, "at most 65535"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,error,message", BAD_QKV, ids=[c[0] for c in BAD_QKV])
+def test_bad_qkv_raise_naming_the_argument(case, mutate, error, message):
+    with pytest.raises(error, match=message):
+        validation.check_qkv(*mutate(*qkv()), causal=False)
+
+
+@pytest.mark.parametrize("scale,error,message", [
+    (float("nan"), ValueError, "scale must be finite"),
+    (float("inf"), ValueError, "scale must be finite"),
+    ("0.1", None, None),
+    ([1.0], TypeError, "scale must be a number"),
+])
+def test_scale(scale, error, message):
+    if error is None:
+        assert validation.check_scale(scale, 64) == pytest.approx(0.1)
+    else:
+        with pytest.raises(error, match=message):
+            validation.check_scale(scale, 64)
+    assert validation.check_scale(None, 64) == pytest.approx(0.125)
+
+
+BAD_BUFFERS = [
+    ("out wrong shape", desc("out", (2, 17, 8, 32)), (2, 17, 8, 64), "bfloat16", False, ValueError, r"out must have shape \(2, 17, 8, 64\)"),
+    ("out wrong dtype", desc("out", (2, 17, 8, 64), "float32"), (2, 17, 8, 64), "bfloat16", False, TypeError, "out must have dtype bfloat16"),
+    ("out other device", _replace(desc("out", (2, 17, 8, 64)), device=1), (2, 17, 8, 64), "bfloat16", False, ValueError, "out is on CUDA device 1"),
+    ("out misaligned", _replace(desc("out", (2, 17, 8, 64)), ptr=(1 << 20) + 8), (2, 17, 8, 64), "bfloat16", False, ValueError, "out's base pointer"),
+    ("lse wrong shape", desc("lse", (2, 17, 8), "float32"), (2, 8, 17), "float32", True, ValueError, r"lse must have shape \(2, 8, 17\)"),
+    ("lse wrong dtype", desc("lse", (2, 8, 17), "bfloat16"), (2, 8, 17), "float32", True, TypeError, "lse must have dtype float32"),
+    ("lse rows strided", desc("lse", (2, 8, 17), "float32", strides=(8 * 34, 34, 2)), (2, 8, 17), "float32", True, ValueError, "lse must be contiguous in its last"),
+    ("dout wrong shape", desc("dout", (2, 17, 8, 72)), (2, 17, 8, 64), "bfloat16", False, ValueError, "dout must have shape"),
+    ("dlse wrong dtype", desc("dlse", (2, 8, 17), "float16"), (2, 8, 17), "float32", True, TypeError, "dlse must have dtype float32"),
+]
+
+
+@pytest.mark.parametrize("case,buffer,shape,dtype,rows_only,error,message", BAD_BUFFERS, ids=[c[0] for c in BAD_BUFFERS])
+def test_bad_buffers_raise_naming_the_argument(case, buffer, shape, dtype, rows_only, error, message):
+    with pytest.raises(error, match=message):
+        validation.check_buffer(buffer, shape, dtype, 0, rows_contiguous_only=rows_only)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("window", (128, 0)), ("softcap", 30.0), ("mask", object()), ("bias", object()),
+    ("alibi_slopes", object()), ("segment_ids", (1, 2)), ("block_ids", (1, 2)), ("dropout_p", 0.1),
+])
+def test_planned_options_are_refused_by_name_not_ignored(option, value):
+    with pytest.raises(NotImplementedError, match=f"{option}= is not implemented"):
+        validation.reject_planned({option: value})
+
+
+def test_neutral_values_of_planned_options_are_accepted():
+    validation.reject_planned({"window": (None, None), "dropout_p": 0.0, "softcap": None, "bias": None})
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument.*causual"):
+        validation.reject_planned({"causual": True})
+
+
+def test_cpu_arrays_are_refused_naming_the_argument():
+    q = np.ones((1, 4, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="q is on the CPU"):
+        cuflash.attention(q, q, q)
+
+
+def test_non_arrays_are_refused_naming_the_argument():
+    with pytest.raises(TypeError, match="q must be a CUDA array supporting DLPack"):
+        cuflash.attention([[1.0]], None, None)
+
+
+def test_bad_stream_is_refused_naming_the_argument():
+    with pytest.raises(TypeError, match="stream must be"):
+        resolve_stream("default")
+
+
+def test_unimplemented_entry_points_say_so():
+    for fn, args in ((cuflash.varlen_attention, (None,) * 7), (cuflash.attention_with_kvcache, (None,) * 3)):
+        with pytest.raises(NotImplementedError, match="not implemented"):
+            fn(*args)
+
+
+def test_workspace_shapes_come_from_metadata_only():
+    class Meta:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+    with pytest.raises(ValueError, match="k has 3 heads"):
+        cuflash.backward_workspace(Meta((1, 8, 8, 64), "float16"), Meta((1, 8, 3, 64), "float16"),
+                                   Meta((1, 8, 3, 64), "float16"))
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        cuflash.backward_workspace(Meta((1, 8, 8, 64), "float64"), Meta((1, 8, 8, 64), "float64"),
+                                   Meta((1, 8, 8, 64), "float64"))
