@@ -187,10 +187,11 @@ def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-def backward_workspace(q, k, v, *, causal=False, deterministic=False, **options) -> dict:
+def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None, **options) -> dict:
     """Shapes of the float32 scratch buffers :func:`attention_backward` needs, by name.
 
     ``q``/``k``/``v`` may be anything with ``.shape`` and ``.dtype``; the current device's arch is used.
+    ``scale`` does not change the plan and is accepted so callers can pass one option set everywhere.
     """
     validation.reject_planned(options)
     shape = _shape_from_meta(q, k, v, causal)
@@ -199,7 +200,7 @@ def backward_workspace(q, k, v, *, causal=False, deterministic=False, **options)
     return launch.backward_plan(shape, _current_device(), bool(deterministic)).scratch_dict()
 
 
-def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, **options) -> None:
+def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=None, **options) -> None:
     """Compile and load every kernel a call with these shapes launches (e.g. before a CUDA-graph
     capture, where compiling is not allowed). ``q``/``k``/``v`` need only ``.shape`` and ``.dtype``."""
     from . import build

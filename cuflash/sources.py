@@ -16,9 +16,10 @@ def source_dir() -> Path:
     override = os.environ.get("CUFLASH_SOURCE_DIR")
     if override:
         return Path(override)
-    beside = Path(__file__).resolve().parent.parent / "cuda_src"
-    if (beside / "cuflash" / "params.cuh").is_file():
-        return beside
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "cuda_src", package / "cuda_src"):  # checkout, then wheel
+        if (candidate / "cuflash" / "params.cuh").is_file():
+            return candidate
     spec = importlib.util.find_spec("cuflash.cuda_src")
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])

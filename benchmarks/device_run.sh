@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One batched session on a lent GPU: install, compile every variant in parallel, then the named
+# stages, each logging under $OUT (what comes back from the device machine).
+#   bash benchmarks/device_run.sh tests bench            # the usual run
+#   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick,
+#           sanitize, fuzzlong, ncu
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cuflash-out}
+mkdir -p "$OUT"
+export CUFLASH_CACHE_DIR=/tmp/cuflash-cache
+
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+stamp "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+
+stamp "compile every variant"
+python3 -m cuflash compile --workers 16 > "$OUT/compile.txt" 2>&1
+status=$?
+head -3 "$OUT/compile.txt"; grep -c "cuflash::" "$OUT/compile.txt"
+[ $status -eq 0 ] || { tail -60 "$OUT/compile.txt"; exit 1; }
+
+for stage in "$@"; do
+  stamp "stage $stage"
+  case "$stage" in
+    tests)
+      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    quicktests)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_attention_gpu.py tests/test_build.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    bench)
+      timeout 420 python3 -m cuflash bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -45 ;;
+    benchquick)
+      timeout 240 python3 -m cuflash bench --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    sanitize)
+      timeout 420 bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -20 ;;
+    fuzzlong)
+      CUFLASH_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-10000} CUFLASH_FUZZ_REPORT="$OUT/fuzz_count.txt" \
+        timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuzz_gpu.py 2>&1 | tee "$OUT/fuzz.log" | tail -15 ;;
+    *)
+      echo "unknown stage $stage" ;;
+  esac
+done
+stamp "done"

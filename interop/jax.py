@@ -1,0 +1,333 @@
+"""cuflash attention as a differentiable JAX op.
+
+    import jax, jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    # q (batch, seq_q, heads, head_dim), k / v (batch, seq_k, kv_heads, head_dim): bf16, fp16 or fp32 on a GPU
+    out = cfj.attention(q, k, v, causal=True)
+
+    @jax.jit
+    def loss_and_grads(q, k, v):
+        loss = lambda q, k, v: cfj.attention(q, k, v, causal=True).astype(jnp.float32).sum()
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+How it runs. ``attention`` is a ``jax.custom_vjp`` whose forward and backward are
+``jax.experimental.buffer_callback`` calls: inside ``jax.jit`` XLA allocates every output (out, lse, dq, dk,
+dv) and the backward's scratch (declared as extra outputs of the backward callback, shapes from
+``cuflash.backward_workspace``), then calls back into Python with its device buffers and its CUDA stream,
+and cuflash launches its kernels on that stream into those buffers: no host round trip, no copy, no CuPy
+allocation. Kernels are compiled while JAX traces (``cuflash.prepare``), so shape and option errors surface
+at trace time and a compiled step only launches.
+
+Options (``scale``, ``causal``, ``deterministic`` ... see ``cuflash.attention``) are static: a new value
+traces a new function, like a ``static_argnames`` of ``jax.jit``. Options whose values are arrays (``bias``,
+``mask``, ``segment_ids`` ...) are traced operands of the callbacks; ``bias`` gets its gradient from the
+core's ``dbias`` (``_GRADIENT_NAMES``), the others get none.
+
+``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, and a cotangent flowing into it
+reaches the backward as ``dlse`` (what ring / context-parallel attention needs to merge partial results).
+
+``jax.vmap`` over leading axes folds the mapped axis into the batch (one launch, not a loop); with array
+options it maps one element at a time, since their batch dim could not follow the fold.
+
+Data-parallel over devices with ``shard_map`` (each device runs cuflash on its own batch shard):
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    batch_split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q, k, v = jax.device_put((q, k, v), batch_split)
+    out = jax.jit(cfj.attention_sharded(mesh, "data", causal=True))(q, k, v)   # out split the same way
+
+``attention`` itself also works inside a ``shard_map`` of your own (its results carry the inputs'
+varying-axes type, so ``check_vma`` holds).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.experimental.buffer_callback import buffer_callback
+
+import cuflash
+from cuflash.interop import _call_accepted, _cupy_stream
+
+__all__ = ["attention", "attention_sharded"]
+
+# Array options with a gradient, and the name of the core's backward output (and keyword) that holds it.
+_GRADIENT_NAMES = {"bias": "dbias"}
+
+_DLPACK_CUDA = 2  # DLPack's kDLCUDA device type
+
+
+def attention(q, k, v, *, return_lse: bool = False, **options):
+    """Exact attention ``softmax(scale * q @ k^T) @ v`` with cuflash's kernels, differentiable in JAX.
+
+    Args:
+      q: ``(batch, seq_q, heads, head_dim)``; k: ``(batch, seq_k, kv_heads, head_dim)``;
+        v: ``(batch, seq_k, kv_heads, head_dim_v)``; one dtype among bfloat16, float16, float32;
+        ``heads % kv_heads == 0`` (grouped-query attention).
+      return_lse: also return ``lse (batch, heads, seq_q)`` float32, differentiable.
+      **options: as for ``cuflash.attention`` (``scale``, ``causal``, ``deterministic`` ...). Values that are
+        not arrays are static (hashable); array values are traced operands.
+
+    Returns:
+      ``out (batch, seq_q, heads, head_dim_v)`` in q's dtype, or ``(out, lse)``.
+    """
+    static, arrays = _split_options(options)
+    return _attention_fn(static, bool(return_lse))(q, k, v, arrays)
+
+
+def attention_sharded(mesh, axis_name: str = "data", *, return_lse: bool = False, **options):
+    """``attention`` data-parallel over ``mesh``: batch-sharded q, k, v; each device runs its shard.
+
+    Returns a function ``(q, k, v) -> out`` (or ``(out, lse)``) built with ``shard_map``: q, k, v come, and
+    the results go, split along their batch dim over the mesh axis ``axis_name``, e.g. placed with
+    ``jax.device_put(x, NamedSharding(mesh, PartitionSpec(axis_name)))``; the batch must divide by the axis
+    size. Jit it, or call it inside a jitted step. Options must be static here (no array options).
+    """
+    static, arrays = _split_options(options)
+    if arrays:
+        raise TypeError(
+            f"attention_sharded takes static options only, got array options {sorted(arrays)}; "
+            "call attention inside your own shard_map with the arrays' partition specs"
+        )
+    spec = jax.sharding.PartitionSpec(axis_name)  # the batch dim leads q, k, v, out and lse alike
+    per_shard = functools.partial(attention, return_lse=return_lse, **options)
+    return _shard_map(per_shard, mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec) if return_lse else spec)
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is not None:
+        return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+    return shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Options: static ones key the caches below; array ones are operands.
+
+
+def _split_options(options: dict) -> tuple[tuple, dict]:
+    static, arrays = [], {}
+    for name, value in options.items():
+        if any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(value)):
+            arrays[name] = value
+        else:
+            static.append((name, _hashable(name, value)))
+    return tuple(sorted(static)), arrays
+
+
+def _hashable(name: str, value: Any):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(name, item) for item in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"option {name}={value!r} must be an array or a hashable constant (it is static under jit)"
+        ) from None
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The differentiable function: one per (static options, return_lse), built once so that jit caches hold.
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_fn(static: tuple, return_lse: bool):
+    forward = _forward_op(static)
+    backward = _backward_op(static)
+
+    @jax.custom_vjp
+    def attention_vjp(q, k, v, arrays):
+        out, lse = forward(q, k, v, arrays)
+        return (out, lse) if return_lse else out
+
+    def attention_fwd(q, k, v, arrays):
+        # symbolic_zeros=True hands primals wrapped in CustomVJPPrimal.
+        q, k, v, arrays = jax.tree.map(
+            lambda p: p.value, (q, k, v, arrays), is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
+        )
+        out, lse = forward(q, k, v, arrays)
+        return ((out, lse) if return_lse else out), (q, k, v, out, lse, arrays)
+
+    def attention_bwd(residuals, cotangent):
+        q, k, v, out, lse, arrays = residuals
+        dout, dlse = cotangent if return_lse else (cotangent, None)
+        if isinstance(dout, SymbolicZero):  # only lse is used downstream
+            dout = jnp.zeros(dout.shape, dout.dtype)
+        if isinstance(dlse, SymbolicZero):  # lse returned but unused: the plain backward, no dlse term
+            dlse = None
+        grads = backward(dout, q, k, v, out, lse, dlse, arrays)
+        d_arrays = {name: grads[_GRADIENT_NAMES[name]] if name in _GRADIENT_NAMES else None for name in arrays}
+        return grads["dq"], grads["dk"], grads["dv"], d_arrays
+
+    attention_vjp.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
+    # Jitted so that an eager call is one cached executable; under an outer jit it inlines.
+    return jax.jit(attention_vjp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two ops: buffer_callback into the core, with a vmap rule that folds the mapped axis into the batch.
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_op(static: tuple):
+    options = dict(static)
+    callback = functools.partial(_forward_callback, options)  # one object per options: stable jit params
+
+    @custom_vmap
+    def forward(q, k, v, arrays):
+        _check_rank(q=q, k=k, v=v)
+        _call_accepted(cuflash.prepare, q, k, v, backward=False, **options)
+        batch, seq_q, heads, _ = q.shape
+        result = (
+            jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+        )
+        return _vary_like(buffer_callback(callback, result)(q, k, v, arrays), (q, k, v, arrays))
+
+    @forward.def_vmap
+    def forward_vmap(axis_size, in_batched, q, k, v, arrays):
+        if jax.tree.leaves(arrays):
+            return _map_over_axis(forward, in_batched, (q, k, v, arrays)), (True, True)
+        q, k, v = (_fold(x, b, axis_size) for x, b in zip((q, k, v), in_batched[:3]))
+        out, lse = forward(q, k, v, arrays)
+        return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
+
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_op(static: tuple):
+    options = dict(static)
+    callback = functools.partial(_backward_callback, options)
+
+    @custom_vmap
+    def backward(dout, q, k, v, out, lse, dlse, arrays):
+        _call_accepted(cuflash.prepare, q, k, v, backward=True, **options)
+        grads = {"dq": _like(q), "dk": _like(k), "dv": _like(v)}
+        grads.update({grad: _like(arrays[name]) for name, grad in _GRADIENT_NAMES.items() if name in arrays})
+        workspace = {
+            name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+            for name, shape in _call_accepted(cuflash.backward_workspace, q, k, v, **options).items()
+        }
+        args = (dout, q, k, v, out, lse, dlse, arrays)
+        grads, _ = buffer_callback(callback, (grads, workspace))(*args)
+        return _vary_like(grads, args)
+
+    @backward.def_vmap
+    def backward_vmap(axis_size, in_batched, dout, q, k, v, out, lse, dlse, arrays):
+        args = (dout, q, k, v, out, lse, dlse, arrays)
+        if jax.tree.leaves(arrays):
+            grads = _map_over_axis(backward, in_batched, args)
+        else:
+            folded = [None if x is None else _fold(x, b, axis_size) for x, b in zip(args[:-1], in_batched[:-1])]
+            grads = {name: _unfold(g, axis_size) for name, g in backward(*folded, arrays).items()}
+        return grads, {name: True for name in grads}
+
+    return backward
+
+
+def _vary_like(results, inputs):
+    """Inside ``shard_map``, type ``results`` as varying over the manual axes the inputs vary over.
+
+    ``buffer_callback`` types its results as invariant, but they are per-shard values; without this,
+    ``shard_map``'s ``check_vma`` (and custom_vjp's check that cotangents match their primals) rejects them.
+    """
+    axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
+    if not axes:
+        return results
+
+    def vary(result):
+        missing = tuple(axes - _varying_axes(result))
+        if not missing:
+            return result
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(result, missing, to="varying")
+        return jax.lax.pvary(result, missing)  # jax < 0.8.2
+
+    return jax.tree.map(vary, results)
+
+
+def _varying_axes(x) -> frozenset:
+    """The shard_map axes ``x`` varies over (empty outside shard_map, or with its checks off)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax 0.6.1 - 0.9
+
+
+def _like(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _check_rank(**arrays):
+    for name, x in arrays.items():
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(x.shape)}")
+
+
+def _fold(x, batched: bool, axis_size: int):
+    """(axis_size, batch, ...) -> (axis_size * batch, ...), broadcasting an unmapped x first."""
+    if not batched:
+        x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(y, axis_size: int):
+    return y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
+
+
+def _map_over_axis(op, in_batched, args):
+    """``op`` on one element of the mapped axis at a time; unmapped args are shared, not broadcast."""
+    leaves, tree = jax.tree.flatten(args)
+    mapped_flags = jax.tree.leaves(in_batched)
+    mapped = [x for x, is_mapped in zip(leaves, mapped_flags) if is_mapped]
+
+    def one(mapped_slice):
+        slices = iter(mapped_slice)
+        return op(*jax.tree.unflatten(tree, [next(slices) if m else x for x, m in zip(leaves, mapped_flags)]))
+
+    return jax.lax.map(one, mapped)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Callbacks: run by XLA at execution time with its device buffers (DLPack) and its stream.
+
+
+def _forward_callback(options, ctx, outputs, q, k, v, arrays):
+    out, lse = outputs
+    _launch(cuflash.attention_forward, ctx, q, k, v, out=out, lse=lse, **options, **arrays)
+
+
+def _backward_callback(options, ctx, outputs, dout, q, k, v, out, lse, dlse, arrays):
+    grads, workspace = outputs  # grads: dq, dk, dv (and dbias): the core's own keyword names
+    _launch(
+        cuflash.attention_backward, ctx, dout, q, k, v, out, lse,
+        dlse=dlse, workspace=workspace, **grads, **options, **arrays,
+    )
+
+
+def _launch(core_fn, ctx, *args, **kwargs):
+    device_type, device_id = args[0].__dlpack_device__()  # every array shares one device
+    if device_type != _DLPACK_CUDA:
+        core_fn(*args, **kwargs)  # JAX on the CPU: the core names the problem
+        return
+    stream_ptr = ctx.stream
+    if callable(stream_ptr):  # a method before jax 0.7
+        stream_ptr = stream_ptr()
+    with cupy.cuda.Device(device_id):
+        with _cupy_stream(device_id, stream_ptr):
+            core_fn(*args, stream=stream_ptr, **kwargs)
+

@@ -1,0 +1,269 @@
+"""cuflash attention as PyTorch custom ops.
+
+    import torch
+    import cuflash.interop.torch as cft
+
+    # q (batch, seq_q, heads, head_dim), k / v (batch, seq_k, kv_heads, head_dim): bf16, fp16 or fp32 on CUDA
+    out = cft.attention(q, k, v, causal=True)
+    out.float().square().sum().backward()        # q.grad, k.grad, v.grad
+
+How it runs. ``attention`` calls the op ``torch.ops.cuflash.attention_fwd`` (returns out and lse); its autograd
+formula calls ``torch.ops.cuflash.attention_bwd``. Both are ``torch.library.custom_op`` with fake
+(meta) implementations, so autograd, ``torch.compile(fullgraph=True)`` and ``torch.library.opcheck`` see
+ordinary ops. Inside, torch allocates every output and the backward's scratch (``torch.empty``, the caching
+allocator, a CUDA graph's private pool during capture) and cuflash launches on torch's current stream of the
+tensors' device, reading the tensors' own memory through DLPack: no copy, no host sync, no CuPy allocation.
+
+CUDA graphs: run the step once (on a side stream, as ``torch.cuda.graphs`` recommends) before capturing it:
+that compiles and loads the kernels and caches the per-shape workspace sizes, so the captured call only
+allocates from torch and launches.
+
+Options are those of ``cuflash.attention``; they map onto the ops' arguments (``_OPTIONS``), a pair such as
+``window=(left, right)`` onto two. ``bias`` gets its gradient (``_DIFFERENTIABLE``), other tensor options
+none. ``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, differentiable.
+"""
+from __future__ import annotations
+
+import functools
+
+import cupy
+import torch
+
+import cuflash
+from cuflash.interop import _call_accepted, _cupy_stream
+
+__all__ = ["attention"]
+
+# The ops' option arguments after the arrays, in schema order: (name, schema type, default).
+_OPTIONS = (
+    ("scale", "float?", None),
+    ("causal", "bool", False),
+    ("window_left", "int?", None),
+    ("window_right", "int?", None),
+    ("softcap", "float?", None),
+    ("mask", "Tensor?", None),
+    ("bias", "Tensor?", None),
+    ("alibi_slopes", "Tensor?", None),
+    ("segment_ids_q", "Tensor?", None),
+    ("segment_ids_k", "Tensor?", None),
+    ("block_ids_q", "Tensor?", None),
+    ("block_ids_k", "Tensor?", None),
+    ("dropout_p", "float", 0.0),
+    ("seed", "int?", None),
+    ("deterministic", "bool", False),
+)
+_OPTION_NAMES = tuple(name for name, _, _ in _OPTIONS)
+_DEFAULTS = {name: default for name, _, default in _OPTIONS}
+# A user's pair option and the two op arguments it becomes.
+_PAIRS = {
+    "window": ("window_left", "window_right"),
+    "segment_ids": ("segment_ids_q", "segment_ids_k"),
+    "block_ids": ("block_ids_q", "block_ids_k"),
+}
+_PAIRED = {half for pair in _PAIRS.values() for half in pair}
+_TENSOR_SLOTS = tuple(i for i, (_, kind, _) in enumerate(_OPTIONS) if kind == "Tensor?")
+# Tensor options with a gradient: when given, attention_bwd returns it after dq, dk, dv, in this order.
+_DIFFERENTIABLE = ("bias",)
+
+_OPTION_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in _OPTIONS)
+
+
+def attention(q, k, v, *, return_lse: bool = False, **options):
+    """Exact attention ``softmax(scale * q @ k^T) @ v`` with cuflash's kernels, differentiable in torch.
+
+    Args:
+      q: ``(batch, seq_q, heads, head_dim)``; k: ``(batch, seq_k, kv_heads, head_dim)``;
+        v: ``(batch, seq_k, kv_heads, head_dim_v)``; one dtype among bfloat16, float16, float32, on one
+        CUDA device; the last dim contiguous (a ``(batch, heads, seq, dim)`` tensor ``.transpose(1, 2)`` is
+        fine, with no copy); ``heads % kv_heads == 0``.
+      return_lse: also return ``lse (batch, heads, seq_q)`` float32, differentiable.
+      **options: as for ``cuflash.attention`` (``scale``, ``causal``, ``deterministic`` ...).
+
+    Returns:
+      ``out (batch, seq_q, heads, head_dim_v)`` in q's dtype (contiguous), or ``(out, lse)``.
+    """
+    out, lse = _FORWARD(q, k, v, *_op_options(options))
+    return (out, lse) if return_lse else out
+
+
+def _op_options(options: dict) -> tuple:
+    """``cuflash.attention``'s keyword options -> the ops' option arguments, in schema order."""
+    values = dict(_DEFAULTS)
+    for name, value in options.items():
+        if name in _PAIRS:
+            if value is not None:
+                values[_PAIRS[name][0]], values[_PAIRS[name][1]] = value
+        elif name in values and name not in _PAIRED:
+            values[name] = value
+        else:
+            known = sorted((set(_DEFAULTS) - _PAIRED) | set(_PAIRS))
+            raise TypeError(f"attention() got an unknown option {name!r}; the options are {', '.join(known)}")
+    return tuple(values[name] for name in _OPTION_NAMES)
+
+
+def _core_options(op_options: tuple) -> dict:
+    """The ops' option arguments -> keywords for the core, leaving out every default (read-only)."""
+    if all(op_options[i] is None for i in _TENSOR_SLOTS):
+        return _constant_core_options(tuple(op_options))  # the usual case: once per option set
+    return _build_core_options(op_options)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_core_options(op_options: tuple) -> dict:
+    return _build_core_options(op_options)
+
+
+def _build_core_options(op_options: tuple) -> dict:
+    values = dict(zip(_OPTION_NAMES, op_options))
+    options = {}
+    for pair, (first, second) in _PAIRS.items():
+        first, second = values.pop(first), values.pop(second)
+        if first is not None or second is not None:
+            options[pair] = (first, second)
+    options.update((name, value) for name, value in values.items() if not _is_default(value, _DEFAULTS[name]))
+    return options
+
+
+def _is_default(value, default) -> bool:
+    if default is None:
+        return value is None
+    return not isinstance(value, torch.Tensor) and value == default
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ops. Real and fake implementations allocate their outputs with the same functions, so their
+# shapes, dtypes and strides agree (opcheck compares them).
+
+
+def _forward_outputs(q, v):
+    batch, seq_q, heads, _ = q.shape
+    out = q.new_empty((batch, seq_q, heads, v.shape[-1]))
+    lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    return out, lse
+
+
+def _backward_outputs(q, k, v, op_options) -> list:
+    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+    for name in _DIFFERENTIABLE:
+        tensor = op_options[_OPTION_NAMES.index(name)]
+        if tensor is not None:
+            grads.append(tensor.new_empty(tensor.shape))
+    return grads
+
+
+def _attention_fwd(q, k, v, *op_options):
+    out, lse = _forward_outputs(q, v)
+    _launch(cuflash.attention_forward, q, k, v, out=out, lse=lse, **_core_options(op_options))
+    return out, lse
+
+
+def _attention_fwd_fake(q, k, v, *op_options):
+    return _forward_outputs(q, v)
+
+
+def _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options):
+    options = _core_options(op_options)
+    grads = _backward_outputs(q, k, v, op_options)
+    named = {"dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    named.update(zip((f"d{name}" for name in _DIFFERENTIABLE if name in options), grads[3:]))
+    workspace = {
+        name: torch.empty(shape, dtype=torch.float32, device=q.device)
+        for name, shape in _workspace_shapes(q, k, v, op_options, options).items()
+    }
+    _launch(
+        cuflash.attention_backward, dout, q, k, v, out, lse,
+        dlse=dlse, workspace=workspace, **named, **options,
+    )
+    return grads
+
+
+def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, *op_options):
+    return _backward_outputs(q, k, v, op_options)
+
+
+_forward_op = torch.library.custom_op(
+    "cuflash::attention_fwd", _attention_fwd, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTION_SCHEMA}) -> (Tensor, Tensor)",
+)
+_forward_op.register_fake(_attention_fwd_fake)
+_backward_op = torch.library.custom_op(
+    "cuflash::attention_bwd", _attention_bwd, mutates_args=(),
+    schema=(
+        "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+        f"{_OPTION_SCHEMA}) -> Tensor[]"
+    ),
+)
+_backward_op.register_fake(_attention_bwd_fake)
+_FORWARD = torch.ops.cuflash.attention_fwd.default
+_BACKWARD = torch.ops.cuflash.attention_bwd.default
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autograd: attention_fwd's formula is attention_bwd.
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *op_options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *(op_options[i] for i in _TENSOR_SLOTS))
+    ctx.op_options = [None if i in _TENSOR_SLOTS else value for i, value in enumerate(op_options)]
+    # An output nobody used (lse, when return_lse=False) then gets None, not a tensor of zeros, and the
+    # backward runs without a dlse term.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *tensor_options = ctx.saved_tensors
+    op_options = list(ctx.op_options)
+    for slot, tensor in zip(_TENSOR_SLOTS, tensor_options):
+        op_options[slot] = tensor
+    # Autograd may hand an expanded (stride 0) or permuted gradient, as out.sum() does: make it dense.
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    grads = _BACKWARD(dout, q, k, v, out, lse, dlse, *op_options)
+    extra = iter(grads[3:])
+    option_grads = [
+        next(extra) if name in _DIFFERENTIABLE and op_options[i] is not None else None
+        for i, name in enumerate(_OPTION_NAMES)
+    ]
+    return (grads[0], grads[1], grads[2], *option_grads)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching: per-shape work cached; the core enqueues on torch's current stream.
+
+_WORKSPACE_SHAPES: dict = {}
+
+
+def _workspace_shapes(q, k, v, op_options, options) -> dict:
+    """``cuflash.backward_workspace`` for these shapes and options, computed once per key."""
+    key = (
+        q.shape, k.shape, v.shape, q.dtype, q.device,
+        tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options),
+    )
+    shapes = _WORKSPACE_SHAPES.get(key)
+    if shapes is None:
+        if q.device.type == "cuda":
+            with cupy.cuda.Device(q.device.index):  # the shapes follow the architecture of the tensors' GPU
+                found = _call_accepted(cuflash.backward_workspace, q, k, v, **options)
+        else:
+            found = _call_accepted(cuflash.backward_workspace, q, k, v, **options)
+        shapes = _WORKSPACE_SHAPES[key] = {name: tuple(shape) for name, shape in found.items()}
+    return shapes
+
+
+def _launch(core_fn, *args, **kwargs):
+    device = args[0].device  # every tensor shares one device; the core checks
+    # DLPack refuses tensors that require grad; detach() is a view: same memory, same pointer.
+    args = [a.detach() if a.requires_grad else a for a in args]
+    kwargs = {n: a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for n, a in kwargs.items()}
+    if device.type != "cuda":
+        core_fn(*args, **kwargs)  # the core names the problem
+        return
+    stream_ptr = torch.cuda.current_stream(device).cuda_stream
+    # torch's DLPack export insists on its current device being the tensor's; CuPy launches on its own.
+    with torch.cuda.device(device.index), cupy.cuda.Device(device.index), _cupy_stream(device.index, stream_ptr):
+        core_fn(*args, stream=stream_ptr, **kwargs)

@@ -1,0 +1,537 @@
+"""The interop adapters on the CPU: import hygiene, fake (meta) shapes, and the adapters' plumbing.
+
+The plumbing tests swap the core for a float64 NumPy reference (``FakeCore``) that reads and writes the
+buffers the adapters hand it, so custom_vjp / vmap / jit / shard_map in JAX and autograd / opcheck /
+torch.compile in torch are exercised end to end with no GPU; ``test_interop_*_gpu.py`` run the kernels.
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cuflash
+
+
+def _run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (a clean sys.modules), failing the test with its output on error."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Imports
+
+
+def test_interop_package_imports_no_framework():
+    _run_python("""
+        import sys
+        import cuflash, cuflash.interop
+        assert "jax" not in sys.modules and "torch" not in sys.modules, sorted(
+            m for m in sys.modules if m.split(".")[0] in ("jax", "torch"))
+    """)
+
+
+def test_jax_adapter_does_not_import_torch():
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax is not installed")
+    _run_python("""
+        import sys
+        import cuflash.interop.jax as cfj
+        assert callable(cfj.attention) and callable(cfj.attention_sharded)
+        assert "torch" not in sys.modules
+    """)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A float64 NumPy core that works on whatever the adapters pass: XLA CPU buffers or CPU torch tensors.
+
+
+def _np(x) -> np.ndarray:
+    """A NumPy view of a buffer (writes go through)."""
+    if hasattr(x, "numpy") and hasattr(x, "data_ptr"):  # a torch tensor
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _f64(x):
+    return None if x is None else _np(x).astype(np.float64)
+
+
+def reference_forward(q, k, v, *, scale=None, causal=False, bias=None):
+    """float64 attention: out (B,Sq,H,Dv), lse (B,H,Sq), and the probabilities and expanded k/v."""
+    _, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    k = np.repeat(k, heads // kv_heads, axis=2)
+    v = np.repeat(v, heads // kv_heads, axis=2)
+    s = scale * np.einsum("bqhd,bkhd->bhqk", q, k)
+    if bias is not None:
+        s = s + bias
+    if causal:  # bottom-right aligned
+        visible = np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None] + seq_k - seq_q
+        s = np.where(visible, s, -np.inf)
+    row_max = np.max(s, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(s - row_max)
+    row_sum = p.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (row_max + np.log(row_sum))[..., 0]
+    p = p / np.where(row_sum > 0, row_sum, 1.0)
+    return np.einsum("bhqk,bkhd->bqhd", p, v), lse, p, k, v, scale
+
+
+def reference_backward(dout, q, k, v, out, *, dlse=None, scale=None, causal=False, bias=None):
+    kv_heads = k.shape[2]
+    _, _, p, k_full, v_full, scale = reference_forward(q, k, v, scale=scale, causal=causal, bias=bias)
+    dp = np.einsum("bqhd,bkhd->bhqk", dout, v_full)
+    delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    ds = p * (dp - delta + (0.0 if dlse is None else dlse[..., None]))
+    dq = scale * np.einsum("bhqk,bkhd->bqhd", ds, k_full)
+
+    def per_kv_head(x):  # sum the query heads of each group
+        b, s, h, d = x.shape
+        return x.reshape(b, s, kv_heads, h // kv_heads, d).sum(3)
+
+    dk = per_kv_head(scale * np.einsum("bhqk,bqhd->bkhd", ds, q))
+    dv = per_kv_head(np.einsum("bhqk,bqhd->bkhd", p, dout))
+    return dq, dk, dv, ds
+
+
+class FakeCore:
+    """Stands in for cuflash's attention_forward / attention_backward / prepare / backward_workspace."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _check_options(options):  # like the core: kernel-picking options only (bias: the array-option slot)
+        if set(options) - {"bias"}:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(set(options) - {'bias'}))}")
+
+    def prepare(self, q, k, v, *, causal=False, deterministic=False, backward=True, **options):
+        self._check_options(options)
+        self.calls.append(("prepare", tuple(q.shape), backward))
+
+    def backward_workspace(self, q, k, v, *, causal=False, deterministic=False, **options):
+        self._check_options(options)
+        batch, seq_q, heads, head_dim = q.shape
+        # One scratch that scales with the batch and one that does not: both must reach the backward whole.
+        return {"dq_accum": (batch, seq_q, heads, head_dim), "semaphores": (heads, 3)}
+
+    def attention_forward(self, q, k, v, *, out, lse, scale=None, causal=False, deterministic=False,
+                          bias=None, stream=None):
+        self.calls.append(("forward", tuple(q.shape)))
+        result, row_lse, *_ = reference_forward(_f64(q), _f64(k), _f64(v), scale=scale, causal=causal,
+                                                bias=_f64(bias))
+        _np(out)[...] = result
+        _np(lse)[...] = row_lse
+
+    def attention_backward(self, dout, q, k, v, out, lse, *, dlse=None, dq, dk, dv, workspace, scale=None,
+                           causal=False, deterministic=False, bias=None, dbias=None, stream=None):
+        self.calls.append(("backward", tuple(q.shape), dlse is not None))
+        expected = self.backward_workspace(q, k, v)
+        assert {name: _np(w).shape for name, w in workspace.items()} == expected
+        assert all(_np(w).dtype == np.float32 for w in workspace.values())
+        grads = reference_backward(_f64(dout), _f64(q), _f64(k), _f64(v), _f64(out), dlse=_f64(dlse),
+                                   scale=scale, causal=causal, bias=_f64(bias))
+        for buffer, value in zip((dq, dk, dv, dbias), grads):
+            if buffer is not None:
+                _np(buffer)[...] = value
+
+    def install(self, monkeypatch):
+        for name in ("prepare", "backward_workspace", "attention_forward", "attention_backward"):
+            monkeypatch.setattr(cuflash, name, getattr(self, name))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JAX plumbing
+
+
+def _jax_reference(q, k, v, *, scale=None, causal=False, bias=None):
+    """Pure-JAX attention with lse, differentiated by JAX itself."""
+    import jax
+    import jax.numpy as jnp
+
+    _, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    k = jnp.repeat(k, heads // kv_heads, axis=2)
+    v = jnp.repeat(v, heads // kv_heads, axis=2)
+    s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    if bias is not None:
+        s = s + bias
+    if causal:
+        visible = jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + seq_k - seq_q
+        s = jnp.where(visible, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), lse
+
+
+@pytest.fixture
+def jax_core(monkeypatch):
+    pytest.importorskip("jax")
+    import cuflash.interop.jax as cfj
+
+    for cache in (cfj._attention_fn, cfj._forward_op, cfj._backward_op):
+        cache.cache_clear()
+    return FakeCore().install(monkeypatch)
+
+
+def _qkv(seed=0, batch=2, seq_q=5, seq_k=7, heads=4, kv_heads=2, head_dim=8, head_dim_v=None):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    shapes = ((batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
+              (batch, seq_k, kv_heads, head_dim_v or head_dim))
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def _close(actual, expected, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_forward_and_grads_match_jax(jax_core, causal):
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv(head_dim_v=16)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 4, 16)), jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v) * w)
+
+    ours = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *b: cfj.attention(*b, causal=causal), *a),
+                                      argnums=(0, 1, 2)))(q, k, v)
+    theirs = jax.value_and_grad(lambda *a: loss(lambda *b: _jax_reference(*b, causal=causal)[0], *a),
+                                argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        _close(a, b)
+    # Eagerly too, against jax's own attention (top-left causal alignment: equal lengths here).
+    q2, k2, v2 = _qkv(seq_q=6, seq_k=6)
+    _close(cfj.attention(q2, k2, v2, causal=causal, scale=0.3),
+           jax.nn.dot_product_attention(q2, k2, v2, is_causal=causal, scale=0.3, implementation="xla"))
+
+
+def test_jax_lse_cotangent_reaches_backward(jax_core):
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+    rng = np.random.default_rng(2)
+    w_out = jnp.asarray(rng.standard_normal((2, 5, 4, 8)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal((2, 4, 5)), jnp.float32)
+
+    def loss(attend, q, k, v):
+        out, lse = attend(q, k, v)
+        return jnp.sum(out * w_out) + jnp.sum(jnp.sin(lse) * w_lse)
+
+    def ours_attend(q, k, v):
+        return cfj.attention(q, k, v, causal=True, return_lse=True, scale=0.3)
+
+    def their_attend(q, k, v):
+        return _jax_reference(q, k, v, causal=True, scale=0.3)
+
+    ours = jax.jit(jax.grad(lambda *a: loss(ours_attend, *a), argnums=(0, 1, 2)))(q, k, v)
+    theirs = jax.grad(lambda *a: loss(their_attend, *a), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, theirs):
+        _close(a, b)
+    assert ("backward", (2, 5, 4, 8), True) in jax_core.calls
+
+
+def test_jax_unused_outputs_are_symbolic_zeros(jax_core):
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+    # lse returned but unused: the backward gets no dlse.
+    g = jax.grad(lambda q: jnp.sum(cfj.attention(q, k, v, return_lse=True)[0]))(q)
+    _close(g, jax.grad(lambda q: jnp.sum(_jax_reference(q, k, v)[0]))(q))
+    assert jax_core.calls[-1] == ("backward", (2, 5, 4, 8), False)
+    # Only lse used: dout is zeros, dlse carries everything.
+    g = jax.grad(lambda q: jnp.sum(cfj.attention(q, k, v, return_lse=True)[1] ** 2))(q)
+    _close(g, jax.grad(lambda q: jnp.sum(_jax_reference(q, k, v)[1] ** 2))(q))
+
+
+def test_jax_vmap_folds_into_batch(jax_core):
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv(batch=6)
+    qs, ks, vs = (x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v))
+    out = jax.jit(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True)))(qs, ks, vs)
+    _close(out.reshape(q.shape[0], *out.shape[2:]), _jax_reference(q, k, v, causal=True)[0])
+    assert ("forward", (6, 5, 4, 8)) in jax_core.calls  # one launch over the folded batch, not three
+
+    # Unmapped k, v are shared by every mapped q.
+    out = jax.vmap(lambda q: cfj.attention(q, ks[0], vs[0]))(qs)
+    for i in range(3):
+        _close(out[i], _jax_reference(qs[i], ks[0], vs[0])[0])
+
+    # Gradients through vmap (the backward folds too, workspace shaped for the folded batch), and vmap of grad.
+    def loss(q, k, v):
+        return jnp.sum(jnp.cos(cfj.attention(q, k, v, causal=True)))
+
+    def ref_loss(q, k, v):
+        return jnp.sum(jnp.cos(_jax_reference(q, k, v, causal=True)[0]))
+
+    g = jax.jit(jax.grad(lambda q, k, v: jax.vmap(loss)(q, k, v).sum(), argnums=(0, 1, 2)))(qs, ks, vs)
+    for gi, ri in zip(g, jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)):
+        _close(gi.reshape(ri.shape), ri)
+    g = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(qs, ks, vs)
+    for gi, ri in zip(g, jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)):
+        _close(gi.reshape(ri.shape), ri)
+
+    # Two mapped axes fold twice.
+    q4, k4, v4 = (x.reshape(3, 1, 2, *x.shape[1:]) for x in (q, k, v))
+    out = jax.vmap(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True)))(q4, k4, v4)
+    _close(out.reshape(q.shape[0], *out.shape[3:]), _jax_reference(q, k, v, causal=True)[0])
+
+
+def test_jax_traces_once(jax_core):
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+
+    @jax.jit
+    def step(q, k, v):
+        return jax.value_and_grad(lambda q: jnp.sum(cfj.attention(q, k, v, causal=True) ** 2))(q)
+
+    step(q, k, v)
+    traced = [c for c in jax_core.calls if c[0] == "prepare"]
+    assert {c[2] for c in traced} == {False, True}  # forward and backward kernels prepared while tracing
+    for _ in range(2):
+        step(q, k, v)
+    assert step._cache_size() == 1
+    assert [c for c in jax_core.calls if c[0] == "prepare"] == traced  # no retrace
+    assert sum(c[0] == "forward" for c in jax_core.calls) == 3
+    # Eager calls reuse the same jitted function: one per (options, return_lse).
+    cfj.attention(q, k, v, causal=True)
+    cfj.attention(q, k, v, causal=True)
+    assert cfj._attention_fn.cache_info().currsize == 1
+
+
+def test_jax_array_options_are_operands(jax_core):
+    """An array option (bias) is a traced operand with a gradient; under vmap it maps element by element."""
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 5, 7)), jnp.float32)
+
+    def loss(attend, q, bias):
+        return jnp.sum(jnp.cos(attend(q, k, v, bias=bias)))
+
+    ours = jax.jit(jax.grad(lambda q, b: loss(cfj.attention, q, b), argnums=(0, 1)))(q, bias)
+    theirs = jax.grad(lambda q, b: loss(lambda *a, **o: _jax_reference(*a, **o)[0], q, b), argnums=(0, 1))(q, bias)
+    for a, b in zip(ours, theirs):
+        _close(a, b)
+
+    out = jax.vmap(lambda b: cfj.attention(q, k, v, bias=b))(jnp.stack([bias, 2 * bias]))
+    _close(out[1], _jax_reference(q, k, v, bias=2 * bias)[0])
+
+    with pytest.raises(TypeError, match="hashable"):
+        cfj.attention(q, k, v, window=[{}, None])
+
+
+def test_jax_shard_map_over_two_cpu_devices():
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax is not installed")
+    _run_python(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("interop_cpu", {__file__!r})
+        tests = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tests)
+        tests.check_shard_map()
+    """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"})
+
+
+def check_shard_map():
+    """Run in a process with two CPU devices (see the test above)."""
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    assert jax.device_count() == 2
+    core = FakeCore()
+    for name in ("prepare", "backward_workspace", "attention_forward", "attention_backward"):
+        setattr(cuflash, name, getattr(core, name))
+    mesh = jax.make_mesh((2,), ("data",))
+    batch_sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q0, k0, v0 = _qkv(batch=4)  # the reference runs on these, unsharded
+    q, k, v = jax.device_put((q0, k0, v0), batch_sharded)
+    sharded = cfj.attention_sharded(mesh, "data", causal=True, return_lse=True)
+    out, lse = jax.jit(sharded)(q, k, v)
+    ref_out, ref_lse = _jax_reference(q0, k0, v0, causal=True)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    assert len(out.sharding.device_set) == 2
+    assert ("forward", (2, 5, 4, 8)) in core.calls  # each device saw its half of the batch
+
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.cos(sharded(q, k, v)[0])), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(lambda q, k, v: jnp.sum(jnp.cos(_jax_reference(q, k, v, causal=True)[0])),
+                   argnums=(0, 1, 2))(q0, k0, v0)
+    for a, b in zip(grads, ref):
+        _close(a, b)
+
+    # A shard_map of the user's own, with its default varying-axes checks, differentiates too.
+    spec = jax.sharding.PartitionSpec("data")
+    own = jax.shard_map(lambda q, k, v: cfj.attention(q, k, v, causal=True), mesh=mesh,
+                        in_specs=(spec, spec, spec), out_specs=spec)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.cos(own(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(grads, ref):
+        _close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch: fake (meta) implementations, then the plumbing with the NumPy core on CPU tensors
+
+
+@pytest.fixture
+def cft():
+    pytest.importorskip("torch")
+    import cuflash.interop.torch as cft
+
+    return cft
+
+
+def test_torch_fake_shapes_on_meta(cft):
+    import torch
+
+    q = torch.empty(2, 5, 4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(2, 7, 2, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = cft.attention(q, k, v, return_lse=True, causal=True, window=(3, None))
+    assert (out.shape, out.dtype, out.device.type) == ((2, 5, 4, 8), torch.bfloat16, "meta")
+    assert (lse.shape, lse.dtype) == ((2, 4, 5), torch.float32)
+    (out.sum() + lse.sum()).backward()
+    for x in (q, k, v):
+        assert (x.grad.shape, x.grad.dtype) == (x.shape, x.dtype)
+
+
+def test_torch_fake_under_fake_tensor_mode(cft):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 9, 8, 64, dtype=torch.float16)
+        kv = torch.empty(3, 11, 1, 64, dtype=torch.float16)
+        out, lse = torch.ops.cuflash.attention_fwd(q, kv, kv, *cft._op_options({"causal": True}))
+        grads = torch.ops.cuflash.attention_bwd(out, q, kv, kv, out, lse, lse, *cft._op_options({}))
+    assert out.shape == (3, 9, 8, 64) and lse.shape == (3, 8, 9)
+    assert [tuple(g.shape) for g in grads] == [(3, 9, 8, 64), (3, 11, 1, 64), (3, 11, 1, 64)]
+
+
+def test_torch_options_map_onto_the_ops(cft):
+    import torch
+
+    flat = cft._op_options({"causal": True, "window": (None, 4), "scale": 0.5})
+    assert cft._core_options(flat) == {"causal": True, "window": (None, 4), "scale": 0.5}
+    assert cft._core_options(cft._op_options({})) == {}
+    with pytest.raises(TypeError, match="unknown option 'casual'"):
+        cft.attention(torch.empty(0), torch.empty(0), torch.empty(0), casual=True)
+
+
+@pytest.fixture
+def torch_core(cft, monkeypatch):
+    cft._WORKSPACE_SHAPES.clear()
+    yield FakeCore().install(monkeypatch)
+    cft._WORKSPACE_SHAPES.clear()
+
+
+def _torch_qkv(dtype, seed=0, requires_grad=True):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 16))
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+def _torch_reference(q, k, v, causal=False, scale=None):
+    import torch
+
+    out, lse, *_ = reference_forward(*(x.detach().double().numpy() for x in (q, k, v)), causal=causal,
+                                     scale=scale)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def test_torch_autograd_with_lse(cft, torch_core):
+    import torch
+
+    q, k, v = _torch_qkv(torch.float32)
+    out, lse = cft.attention(q, k, v, causal=True, return_lse=True, scale=0.7)
+    ref_out, ref_lse = _torch_reference(q, k, v, causal=True, scale=0.7)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+    # lse.sum() hands an expanded (stride 0) gradient; out's is dense.
+    w = torch.randn(out.shape, dtype=torch.float32)
+    ((out * w).sum() + lse.sum()).backward()
+    dout = w.double().numpy()
+    dlse = np.ones(lse.shape)
+    dq, dk, dv, _ = reference_backward(dout, *(x.detach().double().numpy() for x in (q, k, v)),
+                                       out.detach().double().numpy(), dlse=dlse, causal=True, scale=0.7)
+    for x, expected in zip((q, k, v), (dq, dk, dv)):
+        torch.testing.assert_close(x.grad.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+
+    # return_lse=False: the unused lse gradient arrives as None, so no dlse term.
+    cft.attention(q, k, v).sum().backward()
+    assert torch_core.calls[-1] == ("backward", (2, 5, 4, 8), False)
+
+
+def test_torch_opcheck(cft, torch_core):
+    import torch
+
+    q, k, v = _torch_qkv(torch.float32)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, *cft._op_options({"causal": True})))
+    with torch.no_grad():
+        out, lse = cft.attention(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse),
+                           *cft._op_options({})))
+
+
+def test_torch_compile_fullgraph_matches_eager(cft, torch_core):
+    import torch
+
+    def step(q, k, v):
+        out, lse = cft.attention(q, k, v, causal=True, return_lse=True)
+        return (out.square().sum() + lse.sum()), out
+
+    q, k, v = _torch_qkv(torch.float32)
+    loss, out = step(q, k, v)
+    loss.backward()
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c, out_c = compiled(q, k, v)
+    loss_c.backward()
+    torch.testing.assert_close(out_c, out)
+    for x, g in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, g)

@@ -1,0 +1,209 @@
+"""cuflash.interop.jax on a GPU: the kernels inside jit, grad, vmap and shard_map.
+
+Forward and gradients are judged by the normwise relative error against
+``jax.nn.dot_product_attention(implementation="xla")`` on float32-upcast inputs (fp16 / bf16), or the
+float64 ``cuflash.reference`` (fp32, and whenever lse or Sq != Sk is involved: jax's own causal mask is
+top-left aligned).
+"""
+import os
+
+import numpy as np
+import pytest
+
+# JAX grabs 75% of the GPU at start by default; the other GPU tests in this process use CuPy's pool.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+cupy = pytest.importorskip("cupy")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import cuflash  # noqa: E402
+import cuflash.interop.jax as cfj  # noqa: E402
+from cuflash import reference  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Normwise relative error allowed, by dtype: fp32 against float64, fp16 / bf16 against fp32 math.
+TOLERANCE = {jnp.float32: 1e-5, jnp.float16: 5e-3, jnp.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _jax_on_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("jax has no GPU backend here")
+
+
+def _inputs(dtype, *, batch=2, seq_q=128, seq_k=128, heads=4, kv_heads=2, head_dim=64, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
+              (batch, seq_k, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
+    return [jnp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(dtype) for s in shapes]
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _error(actual, expected) -> float:
+    return reference.relative_error(_f64(actual), _f64(expected))
+
+
+def _xla_attention(q, k, v, causal):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "fp16", "fp32"])
+def test_forward_and_grads_in_jit(dtype, causal):
+    q, k, v, w = _inputs(dtype)  # GQA: 4 query heads over 2 kv heads
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
+
+    ours = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *b: cfj.attention(*b, causal=causal), *a),
+                                      argnums=(0, 1, 2)))
+    out = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=causal))(q, k, v)
+    _, grads = ours(q, k, v)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+    if dtype == jnp.float32:  # against float64
+        ref_out, _ = reference.attention_forward(*(_f64(x) for x in (q, k, v)), causal=causal)
+        ref = reference.attention_backward(_f64(w), *(_f64(x) for x in (q, k, v)), causal=causal)
+        ref_grads = (ref["dq"], ref["dk"], ref["dv"])
+    else:  # against XLA's attention on the same values upcast to float32
+        up = [x.astype(jnp.float32) for x in (q, k, v)]
+        with jax.default_matmul_precision("highest"):
+            ref_out = _xla_attention(*up, causal)
+            ref_grads = jax.grad(lambda *a: loss(lambda *b: _xla_attention(*b, causal), *a),
+                                 argnums=(0, 1, 2))(*up)
+    tol = TOLERANCE[dtype]
+    assert _error(out, ref_out) < tol
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _error(g, r) < tol, name
+
+
+def test_lse_cotangent_matches_reference():
+    """return_lse=True with a nonzero cotangent into lse (the dlse path), Sq != Sk causal, GQA."""
+    q, k, v, w = _inputs(jnp.float32, seq_q=64, seq_k=96, heads=4, kv_heads=1)
+    u = jnp.asarray(np.random.default_rng(1).standard_normal((2, 4, 64), dtype=np.float32))
+
+    def loss(q, k, v):
+        out, lse = cfj.attention(q, k, v, causal=True, return_lse=True, scale=0.2)
+        return jnp.sum(out * w) + jnp.sum(lse * u)
+
+    (out, lse), grads = jax.jit(lambda q, k, v: (
+        cfj.attention(q, k, v, causal=True, return_lse=True, scale=0.2),
+        jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    ref_out, ref_lse = reference.attention_forward(q64, k64, v64, causal=True, scale=0.2)
+    ref = reference.attention_backward(_f64(w), q64, k64, v64, dlse=_f64(u), causal=True, scale=0.2)
+    assert _error(out, ref_out) < 1e-5
+    assert _error(lse, ref_lse) < 1e-5
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert _error(g, ref[name]) < 1e-5, name
+
+
+def test_train_step_under_transfer_guard():
+    """A jitted step (projections, attention, loss, SGD) moves nothing between host and device."""
+    rng = np.random.default_rng(2)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((2, 64, 128), dtype=np.float32)).astype(jnp.bfloat16))
+    params = jax.device_put({name: jnp.asarray(rng.standard_normal((128, 128), dtype=np.float32) * 0.05)
+                             for name in ("wq", "wk", "wv")})
+
+    def loss_fn(params, x):
+        def heads(w):
+            return (x @ w.astype(x.dtype)).reshape(2, 64, 4, 32)
+
+        out = cfj.attention(heads(params["wq"]), heads(params["wk"]), heads(params["wv"]), causal=True)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    def step(params, x):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params, _ = step(params, x)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            params, loss = step(params, x)
+    assert np.isfinite(float(loss))
+
+
+def test_vmap_and_grad_of_jit():
+    q, k, v, _ = _inputs(jnp.bfloat16, batch=6, seq_q=64, seq_k=64)
+    qs, ks, vs = (x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v))
+    attend = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))
+
+    mapped = jax.vmap(attend)(qs, ks, vs)
+    whole = attend(q, k, v)
+    np.testing.assert_array_equal(_f64(mapped.reshape(whole.shape)), _f64(whole))  # the fold is exact
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+
+    g_mapped = jax.vmap(jax.grad(jax.jit(loss)))(qs, ks, vs)
+    g_whole = jax.grad(jax.jit(loss))(q, k, v)
+    assert _error(g_mapped.reshape(q.shape), g_whole) < 1e-2  # dq accumulates in a different order
+
+
+def test_no_recompile_no_leak():
+    q, k, v, _ = _inputs(jnp.float16, seq_q=64, seq_k=64)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v):
+        traces.append(1)
+        return jax.value_and_grad(lambda q: jnp.sum(cfj.attention(q, k, v).astype(jnp.float32)))(q)
+
+    jax.block_until_ready(step(q, k, v))
+    jax.block_until_ready(cfj.attention(q, k, v))
+    live = len(jax.live_arrays())
+    for _ in range(5):
+        jax.block_until_ready(step(q, k, v))
+        jax.block_until_ready(cfj.attention(q, k, v))  # eager calls reuse one cached jitted function
+    assert len(traces) == 1 and step._cache_size() == 1
+    assert len(jax.live_arrays()) == live
+
+
+def test_no_copy_and_xla_stream(monkeypatch):
+    """The core sees q's own device memory and writes XLA's output buffer directly, on XLA's stream."""
+    seen = {}
+    forward = cuflash.attention_forward
+
+    def spy(q, k, v, *, out, lse, stream, **options):
+        seen["q"] = cupy.from_dlpack(q).data.ptr
+        seen["out"] = out.__cuda_array_interface__["data"][0]
+        seen["stream"] = stream
+        result, _ = forward(q, k, v, out=out, lse=lse, stream=stream, **options)
+        seen["returned"] = result.data.ptr
+        return result, _
+
+    monkeypatch.setattr(cuflash, "attention_forward", spy)
+    q, k, v, _ = _inputs(jnp.bfloat16, seq_q=64, seq_k=64)
+    out = jax.block_until_ready(cfj.attention(q, k, v))
+    assert seen["q"] == q.unsafe_buffer_pointer()
+    assert seen["returned"] == seen["out"] == out.unsafe_buffer_pointer()
+    assert isinstance(seen["stream"], int)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v, w = _inputs(jnp.bfloat16, seq_q=96, seq_k=96)
+    def loss(q, k, v):
+        return jnp.sum((cfj.attention(q, k, v, deterministic=True) * w).astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    first = [np.asarray(g) for g in grad(q, k, v)]
+    for _ in range(3):
+        for a, b in zip(first, grad(q, k, v)):
+            np.testing.assert_array_equal(a.view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_attention_sharded_matches_unsharded():
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    q, k, v, _ = _inputs(jnp.bfloat16, batch=2 * jax.device_count(), seq_q=64, seq_k=64)
+    batch_split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    qs, ks, vs = jax.device_put((q, k, v), batch_split)
+    sharded = jax.jit(cfj.attention_sharded(mesh, "data", causal=True))
+    np.testing.assert_array_equal(_f64(sharded(qs, ks, vs)), _f64(cfj.attention(q, k, v, causal=True)))
+    grads = jax.jit(jax.grad(lambda q: jnp.sum(sharded(q, ks, vs).astype(jnp.float32))))(qs)
+    assert grads.shape == q.shape and bool(jnp.all(jnp.isfinite(grads.astype(jnp.float32))))

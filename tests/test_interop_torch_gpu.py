@@ -1,0 +1,194 @@
+"""cuflash.interop.torch on a GPU: autograd, opcheck, torch.compile, CUDA graphs, streams, no copies.
+
+Results are judged by the normwise relative error against the float64 ``cuflash.reference``; the
+compiled, graph-replayed and side-stream runs must equal eager runs bit for bit (deterministic=True).
+"""
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+
+import cuflash  # noqa: E402
+import cuflash.interop.torch as cft  # noqa: E402
+from cuflash import reference  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Normwise relative error allowed against float64, by dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+LSE_TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _torch_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+
+
+def _inputs(dtype, *, batch=2, seq_q=128, seq_k=96, heads=4, kv_heads=2, head_dim=64, seed=0,
+            requires_grad=True):
+    """q, k, v (leaves) and a gradient for out, drawn on the host from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
+              (batch, seq_k, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
+    arrays = [torch.randn(s, generator=g).to("cuda", dtype) for s in shapes]
+    return [x.requires_grad_(requires_grad) for x in arrays[:3]] + arrays[3:]
+
+
+def _f64(t) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+def _error(actual, expected) -> float:
+    return reference.relative_error(_f64(actual), expected)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_autograd_matches_reference(dtype, causal):
+    q, k, v, dout = _inputs(dtype)  # GQA 4/2, Sq != Sk (bottom-right causal)
+    out, lse = cft.attention(q, k, v, causal=causal, return_lse=True)
+    dlse = torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    ref_out, ref_lse = reference.attention_forward(q64, k64, v64, causal=causal)
+    ref = reference.attention_backward(_f64(dout), q64, k64, v64, dlse=_f64(dlse), causal=causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert _error(out, ref_out) < TOLERANCE[dtype]
+    assert _error(lse, ref_lse) < LSE_TOLERANCE
+    for name, x in zip(("dq", "dk", "dv"), (q, k, v)):
+        assert x.grad.dtype == dtype
+        assert _error(x.grad, ref[name]) < TOLERANCE[dtype], name
+
+
+def test_opcheck():
+    q, k, v, dout = _inputs(torch.float16, batch=1, seq_q=32, seq_k=48)
+    options = cft._op_options({"causal": True})
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, *options))
+    with torch.no_grad():
+        out, lse = cft.attention(q, k, v, causal=True, return_lse=True)
+    q, k, v = (x.detach() for x in (q, k, v))
+    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
+                          (dout, q, k, v, out, lse, torch.randn_like(lse), *options))
+    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default, (dout, q, k, v, out, lse, None, *options))
+
+
+def _step(q, k, v, w):
+    out, lse = cft.attention(q, k, v, causal=True, return_lse=True, deterministic=True)
+    return (out.float() * w).sum() + lse.sum(), out
+
+
+def test_compile_fullgraph_matches_eager():
+    q, k, v, dout = _inputs(torch.bfloat16, seq_q=64, seq_k=80)
+    w = dout.float()
+    loss, out = _step(q, k, v, w)
+    loss.backward()
+    eager = [x.grad for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+
+    loss_c, out_c = torch.compile(_step, fullgraph=True)(q, k, v, w)
+    loss_c.backward()
+    torch.testing.assert_close(out_c, out, rtol=0, atol=0)
+    torch.testing.assert_close(loss_c, loss)  # the sum itself may be reduced in another order
+    for x, g in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
+
+
+def test_cuda_graph_replays_forward_and_backward():
+    q, k, v, dout = _inputs(torch.bfloat16, seq_q=64, seq_k=64)
+    static_dout = dout.clone()
+
+    def run():
+        out = cft.attention(q, k, v, causal=True, deterministic=True)
+        out.backward(static_dout)
+        return out
+
+    # Warm up on a side stream (compiles and loads the kernels, caches the workspace shapes).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for x in (q, k, v):
+                x.grad = None
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in (q, k, v):
+        x.grad = None
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+
+    q2, k2, v2, dout2 = _inputs(torch.bfloat16, seq_q=64, seq_k=64, seed=1)
+    with torch.no_grad():
+        for static, new in zip((q, k, v, static_dout), (q2, k2, v2, dout2)):
+            static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    expected = cft.attention(q2, k2, v2, causal=True, deterministic=True)
+    expected.backward(dout2)
+    assert torch.equal(static_out, expected)
+    for static, new in zip((q, k, v), (q2, k2, v2)):
+        assert torch.equal(static.grad, new.grad)
+
+
+def test_side_stream_is_ordered_without_extra_sync(monkeypatch):
+    q, k, v, dout = _inputs(torch.float16)
+    expected = cft.attention(q, k, v, causal=True, deterministic=True)
+    expected.backward(dout)
+    expected_grads = [x.grad for x in (q, k, v)]
+    torch.cuda.synchronize()
+
+    waits = []  # torch's DLPack export makes a stream wait on an event when streams differ
+    wait_event = torch.cuda.Stream.wait_event
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda s, e: (waits.append(s), wait_event(s, e))[1])
+
+    side = torch.cuda.Stream()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside torch raises
+    try:
+        with torch.cuda.stream(side):
+            q_side = torch.zeros_like(q).requires_grad_()
+            with torch.no_grad():
+                torch.cuda._sleep(100_000_000)  # keep the side stream busy: a launch elsewhere reads zeros
+                q_side.copy_(q)
+            out = cft.attention(q_side, k, v, causal=True, deterministic=True)
+            out.backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side.synchronize()
+    assert not waits
+    assert torch.equal(out, expected)
+    assert torch.equal(q_side.grad, expected_grads[0])
+
+
+def test_no_copy(monkeypatch):
+    """Strided (bhsd viewed as bshd) inputs reach the kernel at their own address; out is torch's."""
+    bhsd = [torch.randn(2, h, 64, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2)]
+    q, k, v = (x.transpose(1, 2) for x in bhsd)
+    assert cupy.from_dlpack(q).data.ptr == q.data_ptr()
+
+    seen = {}
+    forward = cuflash.attention_forward
+
+    def spy(q_, k_, v_, *, out, lse, **options):
+        seen["q"] = cupy.from_dlpack(q_).data.ptr
+        seen["out"] = out.data_ptr()
+        result = forward(q_, k_, v_, out=out, lse=lse, **options)
+        seen["returned"] = result[0].data.ptr
+        return result
+
+    monkeypatch.setattr(cuflash, "attention_forward", spy)
+    out = cft.attention(q, k, v)
+    assert seen["q"] == q.data_ptr()
+    assert seen["returned"] == seen["out"] == out.data_ptr()
+
+    # The core itself, given torch buffers, writes them in place.
+    out_t = torch.empty(2, 64, 4, 64, device="cuda", dtype=torch.bfloat16)
+    lse_t = torch.empty(2, 4, 64, device="cuda", dtype=torch.float32)
+    o, row_lse = forward(q, k, v, out=out_t, lse=lse_t, stream=torch.cuda.current_stream().cuda_stream)
+    assert o.data.ptr == out_t.data_ptr() and row_lse.data.ptr == lse_t.data_ptr()
+    assert torch.equal(out_t, out)
