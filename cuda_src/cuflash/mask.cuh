@@ -9,6 +9,11 @@
 // `visible` and the block ranges below; the mainloops do not change.
 #pragma once
 
+// NVRTC has no <math.h>: the shared headers define INFINITY themselves (same definition everywhere).
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 namespace cuflash {
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
