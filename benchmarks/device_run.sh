@@ -27,13 +27,13 @@ for stage in "$@"; do
   stamp "stage $stage"
   case "$stage" in
     tests)
-      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p timeout --timeout 120 --maxfail=${MAXFAIL:-60} -rf --durations=15 ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     quicktests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_attention_gpu.py tests/test_build.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     bench)
       timeout 420 python3 -m cuflash bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -45 ;;
     benchquick)
-      timeout 240 python3 -m cuflash bench --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+      timeout ${BENCH_TIMEOUT:-180} python3 -m cuflash bench --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     sanitize)
       timeout 420 bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -20 ;;
     fuzzlong)

@@ -130,21 +130,26 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
         dv_d = _buffer(dv, "dv", vd.shape, dtype, dev, fill=zero)
         if not no_work:
             plan = launch.backward_plan(shape, dev, bool(deterministic))
-            scratch = _scratch(plan, workspace, dev)
+            # `owners` keeps freshly allocated scratch alive until the launches are enqueued; after
+            # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
+            scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
                                         dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch)
             launch.run(plan, params, dev, stream)
+            del owners
     return dq_d.array, dk_d.array, dv_d.array
 
 
-def _scratch(plan, workspace, device: int) -> dict:
-    """Pointers of the plan's fp32 scratch buffers, from ``workspace`` or freshly allocated."""
+def _scratch(plan, workspace, device: int) -> tuple:
+    """Pointers of the plan's fp32 scratch buffers, from ``workspace`` or freshly allocated, and the
+    arrays that own them (which the caller must keep alive until its launches are enqueued)."""
     import cupy
 
-    pointers = {}
+    pointers, owners = {}, []
     for field, shape in plan.scratch:
         if workspace is None:
-            pointers[field] = cupy.empty(shape, dtype=cupy.float32).data.ptr
+            owners.append(cupy.empty(shape, dtype=cupy.float32))
+            pointers[field] = owners[-1].data.ptr
             continue
         if field not in workspace:
             raise ValueError(f"workspace lacks the buffer {field!r} (see cuflash.backward_workspace)")
@@ -154,7 +159,8 @@ def _scratch(plan, workspace, device: int) -> dict:
         if not contiguous:
             raise ValueError(f"workspace[{field!r}] must be contiguous, got strides {t.strides}")
         pointers[field] = t.ptr
-    return pointers
+        owners.append(t.array)
+    return pointers, owners
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -162,7 +162,7 @@ def test_no_recompile_no_leak():
         jax.block_until_ready(step(q, k, v))
         jax.block_until_ready(cfj.attention(q, k, v))  # eager calls reuse one cached jitted function
     assert len(traces) == 1 and step._cache_size() == 1
-    assert len(jax.live_arrays()) == live
+    assert len(jax.live_arrays()) <= live  # nothing accumulates (the baseline may hold a transient result)
 
 
 def test_no_copy_and_xla_stream(monkeypatch):

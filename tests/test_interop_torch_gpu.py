@@ -143,26 +143,33 @@ def test_side_stream_is_ordered_without_extra_sync(monkeypatch):
     expected_grads = [x.grad for x in (q, k, v)]
     torch.cuda.synchronize()
 
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # q, k, v, dout were made on the default stream
+
     waits = []  # torch's DLPack export makes a stream wait on an event when streams differ
     wait_event = torch.cuda.Stream.wait_event
     monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda s, e: (waits.append(s), wait_event(s, e))[1])
 
-    side = torch.cuda.Stream()
     torch.cuda.set_sync_debug_mode("error")  # any host sync inside torch raises
     try:
         with torch.cuda.stream(side):
-            q_side = torch.zeros_like(q).requires_grad_()
+            # Fresh leaves made on the side stream, so autograd's own AccumulateGrad nodes live there
+            # too (leaves from the default stream make torch itself insert waits).
+            leaves = [torch.zeros_like(x).requires_grad_() for x in (q, k, v)]
             with torch.no_grad():
                 torch.cuda._sleep(100_000_000)  # keep the side stream busy: a launch elsewhere reads zeros
-                q_side.copy_(q)
-            out = cft.attention(q_side, k, v, causal=True, deterministic=True)
+                for leaf, x in zip(leaves, (q, k, v)):
+                    leaf.copy_(x)
+            q_side, k_side, v_side = leaves
+            out = cft.attention(q_side, k_side, v_side, causal=True, deterministic=True)
             out.backward(dout)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side.synchronize()
     assert not waits
     assert torch.equal(out, expected)
-    assert torch.equal(q_side.grad, expected_grads[0])
+    for leaf, grad in zip(leaves, expected_grads):
+        assert torch.equal(leaf.grad, grad)
 
 
 def test_no_copy(monkeypatch):

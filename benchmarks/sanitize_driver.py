@@ -1,0 +1,182 @@
+"""Run every cuflash kernel family once on small shapes, for compute-sanitizer (benchmarks/sanitize.sh).
+
+The cases hit tail tiles (lengths that are not multiples of any block size), GQA and MQA, causal
+with rows that see no key, Dv != D, head dims in several buckets (8 .. 256), every dtype (fp32 is
+the SIMT path), both backward modes (deterministic or not) and the dlse path: so the forward, the
+backward pre-pass, dK/dV, dQ, the dq convert and the GQA reduce kernels all run.
+
+Made for the sanitizer tools:
+- CuPy's memory pool is switched off: every array is its own exact-size ``cudaMalloc``, so memcheck
+  sees any access past an array's end (inside a pool block it would not), and initcheck sees fresh,
+  uninitialized memory for every output and scratch buffer.
+- Inputs are drawn on the host and copied in, so every input byte is initialized; outputs are then
+  read back in full (a NaN check), so an element a kernel never wrote is an initcheck error.
+
+Exit status: 0 when every output is finite, 1 otherwise. ``--list`` prints the cases and the kernel
+variants they launch (needs only a CUDA device for its compute capability).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Run from a checkout without installing: the repository root holds the cuflash package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    what: str
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    B: int
+    Sq: int
+    Sk: int
+    H: int
+    Hkv: int
+    D: int
+    Dv: int
+    causal: bool
+    deterministic: bool
+    dlse: bool
+
+    def __str__(self) -> str:
+        return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
+                f"{' causal' if self.causal else ''}{' det' if self.deterministic else ''}"
+                f"{' dlse' if self.dlse else ''}  ({self.what})")
+
+
+def cases(quick: bool = False) -> list:
+    out = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        per_dtype = [
+            Case("tails, GQA", dtype, 2, 17, 33, 4, 2, 64, 64, False, False, False),
+            Case("rows that see no key, MQA, dlse", dtype, 1, 70, 33, 4, 1, 40, 40, True, True, True),
+            Case("bucket 160, several blocks", dtype, 1, 130, 129, 2, 2, 136, 136, True, False, False),
+            Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),
+            Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
+        ]
+        out += per_dtype[:2] if quick else per_dtype
+    return out
+
+
+def _dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _device_array(rng, shape, dtype):
+    import cupy
+
+    host = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    return cupy.asarray(host)
+
+
+def _nonfinite(x) -> int:
+    """Count of NaN / inf elements (-inf allowed where ``x`` is an lse), read through the bits so no
+    bfloat16 cast kernel is needed. Reads every element: an unwritten one is an initcheck error."""
+    import cupy
+
+    if x.dtype.itemsize == 2:
+        wide = x.view(cupy.uint16).astype(cupy.uint32)
+        if x.dtype == np.float16:
+            bad = (wide & 0x7C00) == 0x7C00
+        else:
+            bad = (wide & 0x7F80) == 0x7F80
+        return int(cupy.count_nonzero(bad))
+    f = x.astype(cupy.float32)
+    return int(cupy.count_nonzero(~(cupy.isfinite(f) | cupy.isneginf(f))))
+
+
+def run_case(case: Case, seed: int) -> int:
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(seed)
+    dt = _dtype(case.dtype)
+    q = _device_array(rng, (case.B, case.Sq, case.H, case.D), dt)
+    k = _device_array(rng, (case.B, case.Sk, case.Hkv, case.D), dt)
+    v = _device_array(rng, (case.B, case.Sk, case.Hkv, case.Dv), dt)
+    dout = _device_array(rng, (case.B, case.Sq, case.H, case.Dv), dt)
+    dlse = cupy.asarray(rng.standard_normal((case.B, case.H, case.Sq), dtype=np.float32)) if case.dlse else None
+    out, lse = cuflash.attention_forward(q, k, v, causal=case.causal)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
+                                            deterministic=case.deterministic)
+    cupy.cuda.Device().synchronize()
+    bad = 0
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        n = _nonfinite(x)
+        if n:
+            print(f"  {name}: {n} non-finite elements")
+        bad += n
+    lse_bad = int(cupy.count_nonzero(cupy.isnan(lse) | cupy.isposinf(lse)))
+    if lse_bad:
+        print(f"  lse: {lse_bad} NaN / +inf elements")
+    return bad + lse_bad
+
+
+def kernel_names(case_list, arch: int) -> list:
+    """The kernel variants the cases launch, from the plans (no launch)."""
+    from cuflash import kernels
+
+    names = set()
+    for c in case_list:
+        shape = kernels.ProblemShape(c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.Dv, c.dtype, c.causal)
+        for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, c.deterministic)):
+            for launch in plan.launches:
+                names.add(launch.variant.name)
+    return sorted(names)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two cases per dtype")
+    parser.add_argument("--list", action="store_true", help="print the cases and kernels, run nothing")
+    parser.add_argument("--keep-pool", action="store_true", help="keep CuPy's memory pool (faster, blinder)")
+    args = parser.parse_args(argv)
+
+    import cupy
+
+    try:
+        have_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver, no device
+        have_gpu = False
+    chosen = cases(args.quick)
+    arch = int(cupy.cuda.Device().compute_capability) if have_gpu else 90
+    try:
+        families = kernel_names(chosen, arch)
+    except Exception as exc:  # noqa: BLE001 - plans are informative only
+        families = [f"(could not list kernels: {exc})"]
+    if not have_gpu and not args.list:
+        print("sanitize_driver: needs a CUDA GPU")
+        return 1
+    if args.list:
+        print("\n".join(str(c) for c in chosen))
+        print("kernels:", ", ".join(families))
+        return 0
+    if not args.keep_pool:
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
+
+    failures = 0
+    start = time.perf_counter()
+    for index, case in enumerate(chosen):
+        t0 = time.perf_counter()
+        bad = run_case(case, seed=index)
+        print(f"{'FAIL' if bad else 'ok  '} {case}  {time.perf_counter() - t0:.1f} s", flush=True)
+        failures += bool(bad)
+    print(f"kernels covered: {', '.join(families)}")
+    print(f"{len(chosen)} cases, {failures} with non-finite outputs, {time.perf_counter() - start:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

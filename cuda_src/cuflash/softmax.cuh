@@ -1,0 +1,153 @@
+// Online softmax over C-fragment rows (forward), FlashAttention-2 style.
+//
+// Written against the accumulator contract of mask.cuh only: a warp holds a score tile
+// acc_s[kMTiles][kNTiles][4] and the running output acc_o[kMTiles][kDTiles][4] in the mma
+// C-fragment layout, so the thread owns rows lane/4 (elements 0,1) and lane/4+8 (elements 2,3) of
+// every m-tile, and a row is spread over the 4 lanes of a quad. The sm80 mma.sync mainloop and a
+// future sm90 wgmma mainloop (m64nNk16 gives each warp the same layout) both drive this struct.
+//
+// Per key block and row:  m_new = max(m, rowmax(s));  p = exp2(s*scale_log2 - m_new*scale_log2)
+// (one FFMA + one MUFU.EX2);  l = l * exp2((m - m_new)*scale_log2) + rowsum(p);  acc_o *= the same
+// ratio, skipped (warp-uniformly) when no row of the warp raised its maximum, the common case once
+// the maxima settle. At the end acc_o /= l once and lse = m*scale + log(l) (natural log). The row
+// sum stays a per-lane partial during the loop; the quad adds it up once, in finalize.
+//
+// Fully masked rows: m stays -inf. The exponent offset then uses 0 instead of -inf*scale_log2, so
+// p = exp2(-inf) = 0 and finalize sees l == 0: output 0, lse = -inf, no NaN anywhere. Requires scale_log2 > 0, so that the max of
+// the raw scores is also the max of the scaled ones and -inf * scale_log2 stays -inf; a mainloop
+// maps a negative scale onto -Q and a zero one onto the smallest normal float (flash_fwd_sm80.cu).
+#pragma once
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace cuflash {
+
+// 2^x on the special-function unit; ftz is harmless here (p underflowing to 0 is what softmax wants).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A running maximum that is still -inf (no visible key yet) is used as 0 in exponent offsets.
+__device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
+
+// Reductions over the 4 lanes of a quad (the lanes sharing one C-fragment row).
+__device__ __forceinline__ float quad_allreduce_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    return x;
+}
+
+__device__ __forceinline__ float quad_allreduce_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
+}
+
+template <int kMTiles>
+struct OnlineSoftmax {
+    // Index [mt][half]: half 0 is row lane/4 of m-tile mt, half 1 is row lane/4 + 8.
+    float row_max[kMTiles][2];  // m: max raw score seen so far (quad-uniform), -inf before any key
+    float row_sum[kMTiles][2];  // this lane's share of l (its 2 columns per n-tile); the quad adds up
+
+    __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                row_max[mt][half] = -INFINITY;
+                row_sum[mt][half] = 0.f;
+            }
+        }
+    }
+
+    // Folds one block of raw (unscaled, masked to -inf) scores into the running statistics:
+    // acc_s is overwritten with p = exp(scale * (s - m_new)) (fp32, not yet normalized) and acc_o
+    // is rescaled to the new maximum. The rescale is skipped when no row of the warp changed its
+    // maximum (ratio exactly 1), which is most steps once the maxima settle.
+    template <int kNTiles, int kDTiles>
+    __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4],
+                                           float (&acc_o)[kMTiles][kDTiles][4], float scale_log2) {
+        // 1. New maxima; l and (if any row's maximum moved) acc_o scaled by exp(scale*(m_old - m_new)).
+        float ratio[kMTiles][2];
+        bool unchanged = true;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float m_new = row_max[mt][half];
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    m_new = fmaxf(m_new, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
+                }
+                m_new = quad_allreduce_max(m_new);
+                // An unchanged maximum (also -inf twice: a row with no visible key yet) keeps the
+                // ratio at exactly 1. From -inf to finite the ratio is exp2(-inf) = 0, which scales
+                // an l and an acc_o that are still 0.
+                const float m_old = row_max[mt][half];
+                ratio[mt][half] = m_new == m_old ? 1.f : fast_exp2((m_old - m_new) * scale_log2);
+                unchanged = unchanged && m_new == m_old;
+                row_max[mt][half] = m_new;
+                row_sum[mt][half] *= ratio[mt][half];
+            }
+        }
+        if (!__all_sync(0xffffffffu, unchanged)) {  // warp-uniform branch
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= ratio[mt][e / 2];
+                }
+            }
+        }
+        // 2. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score. Masked scores
+        // (-inf) give p = 0; for a row with no visible key the offset is 0, so p = 0 there as well.
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float m_scaled = finite_or_zero(row_max[mt][half]) * scale_log2;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        const float p = fast_exp2(fmaf(acc_s[mt][nt][e], scale_log2, -m_scaled));
+                        acc_s[mt][nt][e] = p;
+                        sum += p;
+                    }
+                }
+                row_sum[mt][half] += sum;
+            }
+        }
+    }
+
+    // Divides acc_o by l and returns lse = m*scale + log(l) per row (-inf, with acc_o = 0, for a
+    // row that saw no key). lse is quad-uniform.
+    template <int kDTiles>
+    __device__ __forceinline__ void finalize(float (&acc_o)[kMTiles][kDTiles][4], float scale,
+                                             float (&lse)[kMTiles][2]) const {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float l = quad_allreduce_sum(row_sum[mt][half]);
+                // l >= 1 whenever the row saw a key (its maximum contributes exp2(0) = 1).
+                const bool empty = l == 0.f;
+                const float inv_l = empty ? 0.f : 1.f / l;
+                lse[mt][half] = empty ? -INFINITY : fmaf(row_max[mt][half], scale, logf(l));
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+                    acc_o[mt][dt][2 * half] *= inv_l;
+                    acc_o[mt][dt][2 * half + 1] *= inv_l;
+                }
+            }
+        }
+    }
+};
+
+}  // namespace cuflash

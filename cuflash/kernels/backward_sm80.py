@@ -1,0 +1,226 @@
+"""Plans for the tensor-core backward (fp16 / bf16, sm_80 and later): ``cuda_src/flash_bwd_sm80.cu``.
+
+Launch order::
+
+    deterministic=False: preprocess (also zeroes dq_accum) -> dkdv<atomic dQ> -> convert_dq -> [reduce_dkdv]
+    deterministic=True:  preprocess -> dkdv<no dQ> -> dq                             -> [reduce_dkdv]
+
+``reduce_dkdv`` runs only when ``num_heads != num_heads_k`` (GQA / MQA): the dK/dV kernel runs one block
+per QUERY head (so MQA still fills the GPU), writes fp32 per-query-head partials, and the reduction sums
+each group in a fixed order. With ``deterministic=True`` no kernel uses float atomics, so two runs are
+bit-identical.
+
+Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvTraits`` / ``DqTraits``
+layouts in the source; each kernel traps if it receives fewer bytes than its layout needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
+
+SOURCE = "flash_bwd_sm80.cu"
+DTYPES = ("float16", "bfloat16")
+ELEM_BYTES = 2  # fp16 and bf16
+
+#: The small memory-bound kernels: 64 rows per block, 4 warps.
+SMALL_BLOCK_ROWS = 64
+SMALL_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    block_m: int  # queries per block (streamed in the dK/dV kernel, resident in the dQ kernel)
+    block_n: int  # keys per block (resident in the dK/dV kernel, streamed in the dQ kernel)
+    num_warps: int
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_smem_per_block(arch: int) -> int:
+    """Opt-in dynamic shared memory per block, in bytes."""
+    if arch < 80:
+        raise ValueError(f"arch={arch}: the tensor-core backward needs sm_80 or later")
+    if arch in (90, 100, 103):  # H100/H200, B200/GB200/B300: 227 KB
+        return 227 * 1024
+    if arch in (80, 87):  # A100, Orin: 163 KB
+        return 163 * 1024
+    return 99 * 1024  # sm_86, sm_89, sm_120 and anything unknown: 99 KB
+
+
+def _tier(arch: int) -> str:
+    limit = max_smem_per_block(arch)
+    if limit >= 227 * 1024:
+        return "hopper"
+    if limit >= 163 * 1024:
+        return "ampere"
+    return "small"
+
+
+# The dK/dV kernel: a warp owns 16 keys; kBlockN / 16 key groups, and kNWarps / (kBlockN / 16) warps per
+# group split the head dim (1 up to head dim 128: P^T, dS^T stay in registers for dK/dV). Per-thread fp32
+# accumulators: (kHeadDim + kBlockM) / warps_per_group (dK + dV + S^T + dP^T). About 192 is the most 255
+# registers hold without spilling (ptxas front-loads ldmatrix results); every variant below compiles with
+# zero spills on sm_80 and sm_90a. Shared memory: atomic-path sizes (the deterministic ones are smaller).
+#   32: 128 x 128, 8 warps: 32 + 128 accumulators; tiny GEMMs, so big tiles amortize barriers, lse / D
+#       reads and the pipeline issue (82 KB).
+#   64: 64 x 128, 8 warps (64 + 64 accumulators, 81 KB). FA2's 128 x 128 (64 + 128) spills here under
+#       the atomic dQ step, and costs only ~3% fewer ldmatrix per FLOP.
+#   96: 64 x 128, 8 warps (96 + 64; 113 KB); 32 x 128 on 99 KB parts (81 KB).
+#  128: 64 x 128, 8 warps (FA2's hdim128 tile: 128 + 64 accumulators, 145 KB, fits A100's 163 KB);
+#       99 KB parts: 32 x 64, 8 warps as 4 key groups x 2 head-dim halves (73 KB).
+#  160-256: 64 x 64, 8 warps = 4 key groups x 2 head-dim halves ((kHeadDim + 64) / 2 <= 160
+#       accumulators). Q/dO double-buffered: 137 / 162 / 185 / 209 KB. A100 (163 KB) takes 64 x 64 up to
+#       192, 32 x 32 x 4 warps at 224 (89 KB) and 32 x 64 x 8 at 256 (137 KB); 99 KB parts 32 x 64 at 160
+#       (89 KB), 32 x 32 x 4 warps above (77 / 89 / 99 KB, the last one sharing the P^T / dS^T buffer).
+_DKDV_TILES = {
+    "hopper": {32: (128, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
+               160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
+    "ampere": {32: (128, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
+               160: (64, 64, 8), 192: (64, 64, 8), 224: (32, 32, 4), 256: (32, 64, 8)},
+    "small": {32: (128, 128, 8), 64: (64, 128, 8), 96: (32, 128, 8), 128: (32, 64, 8),
+              160: (32, 64, 8), 192: (32, 32, 4), 224: (32, 32, 4), 256: (32, 32, 4)},
+}
+
+# The deterministic dQ kernel: a warp owns 16 queries (kBlockM / 16 groups), K/V double-buffered, Q/dO
+# resident. Per-thread accumulators: (kHeadDim + 2 * kBlockN) / warps_per_group (dQ + S + dP).
+#   32: 128 x 128 (16 + 128; 48 KB). 64, 96: 128 x 64 (32 + 64, 48 + 64; 64 / 96 KB).
+#   128: 128 x 64 (64 + 64; 128 KB) on sm80 / sm90, 64 x 64 x 4 warps on 99 KB parts (96 KB).
+#   160-256: 64 x 64, 8 warps = 4 query groups x 2 head-dim halves, dS through shared memory
+#   (128 / 152 / 176 / 200 KB); A100 64 x 32 above 192 (116 / 132 KB); 99 KB parts 64 x 32 at 160
+#   (84 KB) and 32 x 32 x 4 warps above (74 / 86 / 98 KB).
+_DQ_TILES = {
+    "hopper": {32: (128, 128, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8),
+               160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
+    "ampere": {32: (128, 128, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (128, 64, 8),
+               160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 32, 8), 256: (64, 32, 8)},
+    "small": {32: (128, 128, 8), 64: (128, 64, 8), 96: (128, 64, 8), 128: (64, 64, 4),
+              160: (64, 32, 8), 192: (32, 32, 4), 224: (32, 32, 4), 256: (32, 32, 4)},
+}
+
+
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
+    """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the table's comment.
+
+    Causal uses the same tiles: only the diagonal blocks pay for the mask, and smaller tiles would not
+    shorten the (already longest-first) schedule enough to pay for more barriers per FLOP.
+    """
+    del causal
+    return BwdTile(*_DKDV_TILES[_tier(arch)][head_dim_bucket])
+
+
+def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
+    """(kBlockM, kBlockN, kNWarps) of the deterministic dQ kernel."""
+    del causal
+    return BwdTile(*_DQ_TILES[_tier(arch)][head_dim_bucket])
+
+
+def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, atomic_dq: bool) -> int:
+    """Mirror of ``DkdvTraits::kSmemBytes``.
+
+    K, V: block_n x head_dim each; Q, dO: block_m x head_dim, two stages each; P^T and dS^T tiles
+    (block_n x block_m) when the head dim is split across warps (dS^T also for the atomic dQ step; one
+    shared tile for both when block_n <= 32); lse and softmax_d: block_m floats, two stages each.
+    """
+    warps_d = num_warps // (block_n // 16)
+    share_p = warps_d > 1 and block_n <= 32
+    has_p = warps_d > 1 and not share_p
+    has_ds = warps_d > 1 or atomic_dq
+    tile_k = block_n * head_dim * ELEM_BYTES
+    tile_q = block_m * head_dim * ELEM_BYTES
+    tile_p = block_n * block_m * ELEM_BYTES
+    return 2 * tile_k + 4 * tile_q + (int(has_p) + int(has_ds)) * tile_p + 4 * block_m * 4
+
+
+def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
+    """Mirror of ``DqTraits::kSmemBytes``: Q, dO once; K, V two stages each; a dS tile (block_m x
+    block_n) when the head dim is split across warps."""
+    warps_d = num_warps // (block_m // 16)
+    tile_q = block_m * head_dim * ELEM_BYTES
+    tile_k = block_n * head_dim * ELEM_BYTES
+    return 2 * tile_q + 4 * tile_k + (block_m * block_n * ELEM_BYTES if warps_d > 1 else 0)
+
+
+def _check_fits(variant: KernelVariant, arch: int) -> KernelVariant:
+    limit = max_smem_per_block(arch)
+    if variant.smem_bytes > limit:
+        raise ValueError(f"{variant.name}{variant.template_args} needs {variant.smem_bytes} bytes of shared "
+                         f"memory, more than the {limit} an sm_{arch} block can have")
+    return variant
+
+
+def preprocess_variant(dtype: str, bucket: int) -> KernelVariant:
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_preprocess_kernel",
+                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+
+
+def convert_dq_variant(dtype: str, bucket: int) -> KernelVariant:
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_convert_dq_kernel",
+                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+
+
+def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_reduce_dkdv_kernel",
+                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+
+
+def dkdv_variant(arch: int, dtype: str, bucket: int, causal: bool, atomic_dq: bool) -> KernelVariant:
+    tile = tile_sm80(arch, bucket, causal)
+    smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq)
+    return _check_fits(KernelVariant(
+        SOURCE, "cuflash::flash_bwd_dkdv_kernel",
+        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq)),
+        tile.num_warps * 32, smem), arch)
+
+
+def dq_variant(arch: int, dtype: str, bucket: int, causal: bool) -> KernelVariant:
+    tile = dq_tile_sm80(arch, bucket, causal)
+    smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
+    return _check_fits(KernelVariant(
+        SOURCE, "cuflash::flash_bwd_dq_kernel",
+        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal)),
+        tile.num_warps * 32, smem), arch)
+
+
+def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
+    if shape.dtype not in DTYPES:
+        raise ValueError(f"dtype={shape.dtype!r}: the tensor-core backward takes float16 or bfloat16")
+    if shape.num_heads % shape.num_heads_k != 0:
+        raise ValueError(f"num_heads_k={shape.num_heads_k} does not divide num_heads={shape.num_heads}")
+    bucket = shape.head_dim_bucket
+    b, h, hk = shape.batch, shape.num_heads, shape.num_heads_k
+    sq, sk = shape.seqlen_q, shape.seqlen_k
+    dtype, causal = shape.dtype, shape.causal
+
+    launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
+    dkdv = dkdv_variant(arch, dtype, bucket, causal, atomic_dq=not deterministic)
+    dkdv_tile = tile_sm80(arch, bucket, causal)
+    launches.append(Launch(dkdv, (_ceil_div(sk, dkdv_tile.block_n), h, b)))
+    scratch = [("softmax_d", (b, h, sq))]
+    if deterministic:
+        dq_tile = dq_tile_sm80(arch, bucket, causal)
+        launches.append(Launch(dq_variant(arch, dtype, bucket, causal), (_ceil_div(sq, dq_tile.block_m), h, b)))
+    else:
+        launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        scratch.append(("dq_accum", (b, h, sq, bucket)))
+    if h != hk:
+        launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, SMALL_BLOCK_ROWS), hk, b)))
+        scratch.append(("dk_accum", (b, h, sk, bucket)))
+        scratch.append(("dv_accum", (b, h, sk, bucket)))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch))
+
+
+def all_variants(arch: int) -> list:
+    out = []
+    for dtype in DTYPES:
+        for bucket in HEAD_DIM_BUCKETS:
+            out.append(preprocess_variant(dtype, bucket))
+            out.append(convert_dq_variant(dtype, bucket))
+            out.append(reduce_dkdv_variant(dtype, bucket))
+            for causal in (False, True):
+                out.append(dkdv_variant(arch, dtype, bucket, causal, atomic_dq=True))
+                out.append(dkdv_variant(arch, dtype, bucket, causal, atomic_dq=False))
+                out.append(dq_variant(arch, dtype, bucket, causal))
+    return out

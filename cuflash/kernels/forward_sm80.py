@@ -1,0 +1,137 @@
+"""Plan for the tensor-core forward of ``cuda_src/flash_fwd_sm80.cu`` (fp16 / bf16, sm_80 and later).
+
+One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch. A variant is
+``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal>``; each warp owns
+``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream through
+``kStages`` shared-memory buffers each.
+
+Tile choice (see :func:`tile_sm80`) follows from three budgets per SM:
+
+- registers: 64 K per SM, at most 255 per thread; a 4-warp CTA fits twice per SM, an 8-warp CTA
+  (above 128 registers per thread) once, so every choice runs 8 warps per SM. Per thread, the
+  fp32 accumulators of the output rows and of the score tile stay <= 160 (zero spills).
+- shared memory: ``2 * kHeadDim * (kBlockM + 2 * kStages * kBlockN)`` bytes per CTA (Q, then kStages
+  K and V tiles), plus 1 KB the driver reserves per CTA. Per SM / per block: H100 (sm_90) 228 / 227 KB,
+  A100 (sm_80) 164 / 163 KB, sm_86 / sm_89 100 / 99 KB.
+- shared-memory bandwidth: a warp with two m16 tiles uses each ldmatrix'd K / V fragment twice.
+A 2-stage K/V ring (where it still fits the CTAs per SM) lets each copy hide behind a whole step
+of tensor-core work instead of part of one.
+"""
+from __future__ import annotations
+
+from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
+
+SOURCE = "flash_fwd_sm80.cu"
+KERNEL_NAME = "cuflash::flash_fwd_kernel"
+DTYPES = ("float16", "bfloat16")
+ELEM_BYTES = 2
+MIN_ARCH = 80  # cp.async, ldmatrix, bf16 mma.sync
+KB = 1024
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def smem_capacity(arch: int) -> tuple:
+    """(bytes per SM, bytes one block may opt into) of shared memory on ``arch``."""
+    if arch in (80, 87):  # A100, Orin
+        return 164 * KB, 163 * KB
+    if arch >= 90 and arch < 120:  # H100 / H200, B200
+        return 228 * KB, 227 * KB
+    return 100 * KB, 99 * KB  # sm_86, sm_89, sm_120 (consumer parts)
+
+
+def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
+    (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel."""
+    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
+
+
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
+    """(kBlockM, kBlockN, kNWarps, kStages) for one head-dim bucket on ``arch``.
+
+    Register rule behind every row: a thread's fp32 accumulators, acc_o (kMTiles x D/8 x 4) plus
+    acc_s (kMTiles x kBlockN/8 x 4), stay <= 160. Above that ptxas fills the rest of the 255 with
+    prefetched ldmatrix fragments and starts spilling (seen at 192 for D128 with 64 keys, and D64
+    with 128 keys, on sm_80 / sm_90a); at 160 it settles at 218-247 registers with no spill.
+    Two m16 tiles per warp (kMTiles = 2) wherever that rule allows: each K / V fragment read from
+    shared memory then feeds two mma's, which keeps ldmatrix traffic under the shared-memory
+    bandwidth; from D160 on the output rows alone exceed the rule at kMTiles = 2, so those warps
+    own 16 rows. Causal uses the non-causal tiles except on sm_86 / sm_89 (as FlashAttention-2): the
+    longest-first grid order already balances the triangle.
+    """
+    if arch < MIN_ARCH:
+        raise ValueError(f"the tensor-core forward needs sm_80 or later; got {arch=}")
+    _, per_block = smem_capacity(arch)
+    if per_block >= 160 * KB:  # A100 and H100 class
+        big = per_block >= 200 * KB  # H100 / B200
+        if head_dim_bucket <= 32:
+            # 4 warps x 32 rows x 128 keys: acc 32 + S 128. 2 stages: 40 KB, two CTAs per SM.
+            return 128, 128, 4, 2
+        if head_dim_bucket <= 96:
+            # 4 warps x 32 rows x 64 keys: acc 64 / 96 + S 64. 2 stages: 48 / 72 KB, two CTAs per SM
+            # (the register file holds exactly two 128-thread CTAs at 255 registers).
+            return 128, 64, 4, 2
+        if head_dim_bucket <= 128:
+            # 4 warps x 32 rows x 32 keys: acc 128 + S 32 (64 keys would make 192 and spill).
+            # 2 stages: 64 KB, two CTAs per SM on A100 and H100.
+            return 128, 32, 4, 2
+        if head_dim_bucket <= 224:
+            # 8 warps x 16 rows x 64 keys: acc 80 / 96 / 112 + S 32. One such CTA per SM (256 threads
+            # at > 128 registers), so shared memory is free up to the block limit: 2 stages is 120 /
+            # 144 / 168 KB; A100 (163 KB) keeps 1 stage at D224 (112 KB).
+            stages = 2 if big or head_dim_bucket <= 192 else 1
+            return 128, 64, 8, stages
+        # D256, 16 rows per warp (acc 128 + S 32). H100: FlashAttention-2's 64 x 64 with 4 warps and
+        # one buffer, 96 KB, so two CTAs share an SM. A100: two of those do not fit (2 x 97 KB >
+        # 164 KB), so one CTA of 8 warps x 16 rows, 128 KB.
+        if big:
+            return 64, 64, 4, 1
+        return 128, 64, 8, 1
+    # sm_86 / sm_89 / sm_120: 99 KB per block, 100 KB per SM; two 4-warp CTAs or one 8-warp CTA
+    # per SM, as above.
+    if head_dim_bucket <= 64:
+        # 4 warps x 32 rows x 64 keys, 2 stages: 24 / 48 KB, two CTAs per SM.
+        return 128, 64, 4, 2
+    if head_dim_bucket <= 96:
+        return 128, 64, 4, 1  # 48 KB, two CTAs per SM
+    if head_dim_bucket <= 128:
+        # 128 x 32 (48 KB) keeps two CTAs per SM; causal takes 64 x 64 (48 KB, 16 rows per warp) so
+        # the diagonal blocks waste less (FlashAttention-2's sm8x choice).
+        return (64, 64, 4, 1) if causal else (128, 32, 4, 1)
+    if head_dim_bucket <= 192:
+        return 128, 64, 8, 1  # 8 warps x 16 rows: 80 / 96 KB, one CTA per SM
+    # D224 / D256: 32 keys per step to stay under 99 KB (84 / 96 KB), 8 warps x 16 rows.
+    return 128, 32, 8, 1
+
+
+def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> KernelVariant:
+    if dtype not in DTYPES:
+        raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
+    if head_dim_bucket not in HEAD_DIM_BUCKETS:
+        raise ValueError(f"{head_dim_bucket=} is not one of {HEAD_DIM_BUCKETS}")
+    block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
+    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
+    per_sm, per_block = smem_capacity(arch)
+    if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
+        raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
+                             f"{smem=} > {per_block} on sm_{arch}")
+    args = (dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal))
+    return KernelVariant(SOURCE, KERNEL_NAME, args, warps * 32, smem)
+
+
+def plan_forward(shape: ProblemShape, arch: int) -> Plan:
+    """One launch, grid (ceil(Sq / kBlockM), H, B); no scratch."""
+    v = variant(shape.dtype, shape.head_dim_bucket, shape.causal, arch)
+    block_m = v.template_args[2]
+    grid = (_cdiv(shape.seqlen_q, block_m), shape.num_heads, shape.batch)
+    return Plan(launches=(Launch(v, grid),))
+
+
+def all_variants(arch: int) -> list:
+    """fp16 / bf16 x every head-dim bucket x causal or not (none before sm_80)."""
+    if arch < MIN_ARCH:
+        return []
+    return [variant(dtype, bucket, causal, arch)
+            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for causal in (False, True)]

@@ -1,0 +1,565 @@
+"""Shared helpers for the GPU tests: inputs, poisoned output buffers, the float64 oracle and the
+tolerance rule every kernel result is judged by.
+
+The rule (one place, used by every GPU test):
+
+- Each quantity (out, lse, dq, dk, dv) is compared with :mod:`cuflash.reference` run in float64 on
+  the GPU (``xp=cupy``) by its normwise relative error ``||actual - expected|| / ||expected||``.
+- The baseline is the error that cannot be blamed on the kernel, the largest of:
+  * rounding: the exact result merely rounded to the output dtype;
+  * naive: ``reference.naive_forward`` / ``naive_backward``, what a plain framework gets in the same
+    precision (fp32 math, P and dS rounded to the dtype);
+  * stored residuals (backward only): the exact gradient given the ``out`` and ``lse`` the forward
+    stored, which ``attention_backward(dout, q, k, v, out, lse)`` must use by contract.
+    FlashAttention computes ``D = rowsum(dO * out)`` from the rounded out and ``P = exp(s - lse)``
+    from the fp32 lse; with a peaked softmax ``dP - D`` cancels and that rounding shows in dq/dk.
+    It is the reference backward with ``dout * c`` and ``dlse' = c * (dlse - rowsum(dO * (out -
+    out_exact)))``, ``c = exp(lse_exact - lse)``: exact arithmetic on the stored residuals.
+  The baselines are computed lazily, cheapest first, only while the kernel's error exceeds the
+  tolerance they give.
+- A kernel passes when ``error <= 2 * baseline + floor`` with ``floor`` = 1e-3 for fp16/bf16 (1e-5 for
+  their fp32 lse) and 2e-6 for fp32. For fp32 that is the issue's "relative error <= 1e-5 against
+  float64" whenever the baseline is below 4e-6, which holds for every well-conditioned problem;
+  ``test_fp32_meets_the_issue_rule`` also asserts 1e-5 outright on standard fp32 problems.
+- A query row that sees exactly one key (every row when ``Sk == 1``; causal row ``Sq - Sk``) has an
+  exactly one-hot softmax, so its exact dq and its share of dk are 0 (the reference cancels
+  ``dP - rowsum(P dP)`` exactly) while any algorithm computing ``rowsum(dO * O)`` separately, as
+  FlashAttention does, leaves fp32 rounding noise. dq and dk get an absolute allowance of
+  ``1e-5 * N`` on top, N = scale * |dO| * |v| * |k or q| (rms row norms, times sqrt(such rows)): the
+  size the terms of those sums have. Real bugs are O(N); the noise is ~1e-7 N.
+- lse must be -inf exactly where the reference's is, finite elsewhere, never NaN.
+
+Every run passes NaN-poisoned ``out=``/``lse=``/``dq=``/``dk=``/``dv=`` buffers, so an element a
+kernel forgets to write shows up as NaN, and "no NaN anywhere" is the same check.
+
+Inputs are drawn on the host (numpy, seeded from the case id) and copied over, never zeros; nothing
+here needs cuRAND or a bfloat16 cast kernel in CuPy (bf16 <-> f32 goes through the bits).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+import warnings
+import zlib
+
+import numpy as np
+
+import ml_dtypes
+
+try:
+    import cupy
+except ImportError:  # the GPU tests importorskip cupy before importing this module
+    cupy = None
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"fp16": np.dtype(np.float16), "bf16": BF16, "fp32": np.dtype(np.float32)}
+DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+#: Tolerance floors (see the module docstring).
+FLOOR = {"fp16": 1e-3, "bf16": 1e-3, "fp32": 2e-6}
+LSE_FLOOR = {"fp16": 1e-5, "bf16": 1e-5, "fp32": 2e-6}
+#: The issue's rule for true-fp32 kernels: relative error <= 1e-5 against float64.
+FP32_LIMIT = 1e-5
+#: CUFLASH_TEST_ALL_BASELINES=1 evaluates every baseline even when the first already admits the
+#: error (slower; shows the real margins in failure reports).
+EAGER_BASELINES = os.environ.get("CUFLASH_TEST_ALL_BASELINES", "0") == "1"
+#: Absolute allowance for dq/dk, in units of the natural scale N, from rows that see one key.
+CANCELLATION_ALLOWANCE = 1e-5
+
+# NaN bit patterns used to poison buffers (quiet NaN of each format).
+_NAN_BITS = {2: (np.uint16, 0x7E00), 4: (np.uint32, 0x7FC00000)}
+_BF16_NAN_BITS = 0x7FC0
+
+
+# --------------------------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call: sizes, dtype and options. ``id`` is the readable test id."""
+
+    dtype: str  # "fp16", "bf16" or "fp32"
+    B: int
+    Sq: int
+    Sk: int
+    H: int
+    Hkv: int
+    D: int
+    Dv: int | None = None  # None: same as D
+    causal: bool = False
+    scale: float | None = None
+    layout: str = "bshd"  # "bshd" contiguous, "bhsd" (B,H,S,D) viewed as bshd, "padded" rows
+    deterministic: bool = False
+    dlse: bool = False  # backward also gets a random gradient flowing into lse
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.Dv is None else self.Dv
+
+    @property
+    def np_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.D) if self.scale is None else float(self.scale)
+
+    @property
+    def id(self) -> str:
+        parts = [self.dtype, f"D{self.D}" if self.Dv in (None, self.D) else f"D{self.D}v{self.Dv}",
+                 f"B{self.B}", f"q{self.Sq}", f"k{self.Sk}", f"h{self.H}kv{self.Hkv}",
+                 "causal" if self.causal else "full"]
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        if self.layout != "bshd":
+            parts.append(self.layout)
+        if self.deterministic:
+            parts.append("det")
+        if self.dlse:
+            parts.append("dlse")
+        return "-".join(parts)
+
+    def __str__(self) -> str:  # hypothesis and assertion messages print this
+        return self.id
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.id.encode())
+
+
+def problem_ids(problems) -> list:
+    return [p.id for p in problems]
+
+
+# --------------------------------------------------------------------------------------------
+# Arrays
+# --------------------------------------------------------------------------------------------
+
+def host_normal(rng, shape, scale=1.0, shift=0.0) -> np.ndarray:
+    """Standard-normal float32 on the host (never an all-zero array)."""
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale) + np.float32(shift))
+
+
+def to_device(host: np.ndarray, dtype) -> "cupy.ndarray":
+    """Host float array -> CuPy array of ``dtype`` (the cast happens on the host; ml_dtypes does bf16)."""
+    return cupy.asarray(np.ascontiguousarray(host.astype(dtype)))
+
+
+def layout_view(host_bshd: np.ndarray, dtype, layout: str, pad_value=np.nan) -> "cupy.ndarray":
+    """A (B, S, H, D) device array of ``dtype`` holding ``host_bshd``, in the memory layout asked:
+
+    - ``bshd``: contiguous;
+    - ``bhsd``: a contiguous (B, H, S, D) array transposed to a bshd view (strides free, last dim 1);
+    - ``padded``: a (B, S, H, D + 8) array sliced to D; the 8 extra columns hold NaN, so a kernel that
+      reads past D poisons its result (the row stride stays a multiple of 16 bytes).
+    """
+    if layout == "bshd":
+        return to_device(host_bshd, dtype)
+    if layout == "bhsd":
+        return to_device(host_bshd.transpose(0, 2, 1, 3), dtype).transpose(0, 2, 1, 3)
+    if layout == "padded":
+        b, s, h, d = host_bshd.shape
+        wide = np.full((b, s, h, d + 8), pad_value, dtype=np.float32)
+        wide[..., :d] = host_bshd
+        return to_device(wide, dtype)[..., :d]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _uint_view(x):
+    """x viewed as unsigned ints of its item size (same strides), for bit-level fills and compares."""
+    return x.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[x.dtype.itemsize])
+
+
+def bits(x):
+    """The raw bits of an array, for bit-identical comparisons (-0.0 != 0.0, NaN == same NaN)."""
+    return _uint_view(x)
+
+
+def bit_identical(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(cupy.all(bits(a) == bits(b)))
+
+
+def nan_fill(buf):
+    """Fill ``buf`` (any strides) with a quiet NaN of its dtype, in place; returns it."""
+    if buf.dtype == BF16:
+        _uint_view(buf).fill(_BF16_NAN_BITS)
+    else:
+        kind, pattern = _NAN_BITS[buf.dtype.itemsize]
+        _uint_view(buf).fill(kind(pattern))
+    return buf
+
+
+def nan_buffer(shape, dtype, layout: str = "bshd"):
+    """A NaN-poisoned output buffer of ``shape`` (bshd order); ``layout="bhsd"`` gives a strided view."""
+    if layout == "bhsd" and len(shape) == 4:
+        b, s, h, d = shape
+        return nan_fill(cupy.empty((b, h, s, d), dtype=dtype)).transpose(0, 2, 1, 3)
+    return nan_fill(cupy.empty(shape, dtype=dtype))
+
+
+def to_f64(x):
+    """Any float CuPy array (bf16 included, any strides) -> contiguous float64, exactly."""
+    x = cupy.asarray(x)
+    if x.dtype == BF16:
+        widened = x.view(cupy.uint16).astype(cupy.uint32) << cupy.uint32(16)
+        return widened.view(cupy.float32).astype(cupy.float64)
+    return x.astype(cupy.float64)
+
+
+def round_f64_to(x64, dtype):
+    """float64 values rounded to ``dtype`` (returned as float64): the best any kernel can store."""
+    from cuflash import reference
+
+    name = {np.dtype(np.float16): "float16", BF16: "bfloat16"}.get(np.dtype(dtype), "float32")
+    return reference.round_to_dtype(x64, name, xp=cupy).astype(cupy.float64)
+
+
+def norm(x64) -> float:
+    return float(cupy.sqrt(cupy.sum(x64 * x64)))
+
+
+def rms_row_norm(x64) -> float:
+    """sqrt(mean over rows of ||row||^2), rows being every index but the last."""
+    rows = max(1, x64.size // max(1, x64.shape[-1]))
+    return math.sqrt(float(cupy.sum(x64 * x64)) / rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs and runs
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Inputs:
+    q: object
+    k: object
+    v: object
+    dout: object
+    dlse: object  # (B, H, Sq) float32 or None
+
+
+def make_inputs(p: Problem, seed: int | None = None) -> Inputs:
+    """Random normal inputs for ``p`` in its dtype and layout, seeded from its id by default."""
+    rng = np.random.default_rng(p.seed if seed is None else seed)
+    dt = p.np_dtype
+    q = layout_view(host_normal(rng, (p.B, p.Sq, p.H, p.D)), dt, p.layout)
+    k = layout_view(host_normal(rng, (p.B, p.Sk, p.Hkv, p.D)), dt, p.layout)
+    v = layout_view(host_normal(rng, (p.B, p.Sk, p.Hkv, p.dv)), dt, p.layout)
+    dout = layout_view(host_normal(rng, (p.B, p.Sq, p.H, p.dv)), dt, p.layout)
+    dlse = cupy.asarray(host_normal(rng, (p.B, p.H, p.Sq))) if p.dlse else None
+    return Inputs(q, k, v, dout, dlse)
+
+
+@dataclasses.dataclass
+class Result:
+    out: object
+    lse: object
+    dq: object = None
+    dk: object = None
+    dv: object = None
+
+
+def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
+                out_layout: str = "bshd") -> Result:
+    """Forward (and backward) through cuflash into NaN-poisoned caller buffers.
+
+    Returns the buffers themselves (so an element the kernel never wrote is still NaN), after
+    checking that the arrays cuflash returned have the documented shapes and dtypes.
+    """
+    import cuflash
+
+    out = nan_buffer((p.B, p.Sq, p.H, p.dv), p.np_dtype, out_layout)
+    lse = nan_buffer((p.B, p.H, p.Sq), np.float32)
+    dq = dk = dv = None
+    if backward:
+        dq = nan_buffer(x.q.shape, p.np_dtype, out_layout)
+        dk = nan_buffer(x.k.shape, p.np_dtype, out_layout)
+        dv = nan_buffer(x.v.shape, p.np_dtype, out_layout)
+    if stream is not None:  # the poison fills ran on the current stream; `stream` may not wait for it
+        cupy.cuda.get_current_stream().synchronize()
+    got_out, got_lse = cuflash.attention_forward(
+        x.q, x.k, x.v, scale=p.scale, causal=p.causal, out=out, lse=lse, stream=stream)
+    _check_returned("out", got_out, out)
+    _check_returned("lse", got_lse, lse)
+    result = Result(out, lse)
+    if not backward:
+        return result
+    grads = cuflash.attention_backward(
+        x.dout, x.q, x.k, x.v, out, lse, dlse=x.dlse, scale=p.scale, causal=p.causal,
+        deterministic=p.deterministic, dq=dq, dk=dk, dv=dv, stream=stream)
+    assert len(grads) == 3, f"attention_backward returned {len(grads)} arrays, expected (dq, dk, dv)"
+    for name, got, buf in zip(("dq", "dk", "dv"), grads, (dq, dk, dv), strict=True):
+        _check_returned(name, got, buf)
+    result.dq, result.dk, result.dv = dq, dk, dv
+    return result
+
+
+def _check_returned(name, got, buf):
+    assert tuple(got.shape) == tuple(buf.shape), f"{name}: returned shape {got.shape}, expected {buf.shape}"
+    assert np.dtype(got.dtype) == np.dtype(buf.dtype), f"{name}: returned dtype {got.dtype}, expected {buf.dtype}"
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle and the rule
+# --------------------------------------------------------------------------------------------
+
+class Expected:
+    """float64 reference results (computed now) and the same-precision naive baseline (computed on
+    first use only: most comparisons pass against the rounding baseline alone, which is cheaper)."""
+
+    def __init__(self, p: Problem, x: Inputs, *, backward: bool = True):
+        from cuflash import reference
+
+        self._reference = reference
+        self._p = p
+        self._q, self._k, self._v = to_f64(x.q), to_f64(x.k), to_f64(x.v)
+        self.out, self.lse = reference.attention_forward(
+            self._q, self._k, self._v, scale=p.softmax_scale, causal=p.causal, xp=cupy)
+        self.grads = None
+        self._dout = self._dlse = None
+        self._naive_fwd = self._naive_bwd = self._residual = None
+        if backward:
+            self._dout = to_f64(x.dout)
+            self._dlse = None if x.dlse is None else x.dlse.astype(cupy.float64)
+            self.grads = reference.attention_backward(
+                self._dout, self._q, self._k, self._v, dlse=self._dlse, scale=p.softmax_scale,
+                causal=p.causal, xp=cupy)
+
+    def naive_forward(self):
+        if self._naive_fwd is None:
+            self._naive_fwd = self._reference.naive_forward(
+                self._q, self._k, self._v, dtype=self._p.dtype_name, scale=self._p.softmax_scale,
+                causal=self._p.causal, xp=cupy)
+        return self._naive_fwd
+
+    def residual_grads(self, out, lse):
+        """The exact gradient given the stored (rounded) ``out`` and ``lse`` (module docstring)."""
+        if self._residual is None:
+            out64, lse64 = to_f64(out), to_f64(lse)
+            ref_lse = self.lse.astype(cupy.float64)
+            both = cupy.isfinite(ref_lse) & cupy.isfinite(lse64)
+            # c rescales each row's P; clipped so a wrong lse (failed on its own) cannot blow it up
+            c = cupy.clip(cupy.exp(cupy.where(both, ref_lse - lse64, 0.0)), 0.5, 2.0)
+            shift = cupy.sum(self._dout * (out64 - self.out), axis=-1).transpose(0, 2, 1)  # (B, H, Sq)
+            dlse = -shift if self._dlse is None else self._dlse - shift
+            self._residual = self._reference.attention_backward(
+                self._dout * c.transpose(0, 2, 1)[..., None], self._q, self._k, self._v,
+                dlse=c * dlse, scale=self._p.softmax_scale, causal=self._p.causal, xp=cupy)
+        return self._residual
+
+    def naive_grads(self):
+        if self._naive_bwd is None:
+            self._naive_bwd = self._reference.naive_backward(
+                self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name,
+                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, xp=cupy)
+        return self._naive_bwd
+
+
+def expected_for(p: Problem, x: Inputs, *, backward: bool = True) -> Expected:
+    """float64 reference (and, lazily, the naive baseline), computed on the GPU."""
+    return Expected(p, x, backward=backward)
+
+
+class Report:
+    """Collects every comparison of one case, then fails once listing all that went wrong."""
+
+    def __init__(self, context: str):
+        self.context = context
+        self.lines, self.failures = [], []
+
+    def fail(self, message: str):
+        self.failures.append(message)
+
+    def note(self, message: str):
+        self.lines.append(message)
+
+    def check(self):
+        if self.failures:
+            detail = "\n  ".join(self.failures + ["-- passed: " + "; ".join(self.lines)])
+            raise AssertionError(f"{self.context}:\n  {detail}")
+
+
+def first_bad_index(mask) -> tuple:
+    idx = cupy.argwhere(mask)
+    return tuple(int(i) for i in cupy.asnumpy(idx[0])) if idx.shape[0] else ()
+
+
+def check_written(report: Report, name: str, buf, *, allow_neg_inf: bool = False) -> object:
+    """No NaN (unwritten poison or computed NaN) and no infinity (but -inf where allowed)."""
+    x = to_f64(buf)
+    bad = ~cupy.isfinite(x)
+    if allow_neg_inf:
+        bad &= ~cupy.isneginf(x)
+    count = int(cupy.count_nonzero(bad))
+    if count:
+        nan = int(cupy.count_nonzero(cupy.isnan(x)))
+        report.fail(f"{name}: {count} of {x.size} elements not finite ({nan} NaN: never written or "
+                    f"computed NaN), first at index {first_bad_index(bad)}")
+    return x
+
+
+def check_close(report: Report, name: str, actual64, expected64, baselines: dict, dtype_key: str, *,
+                floor: float | None = None, allowance: float = 0.0):
+    """The tolerance rule for one quantity (float64 arrays on the GPU, same shape).
+
+    ``baselines`` maps a label to a callable returning that baseline's result (same shape); they
+    are evaluated in order, each only if the kernel's error still exceeds the tolerance so far.
+    """
+    expected64 = expected64.astype(cupy.float64)
+    exact_norm = norm(expected64)
+    denominator = max(exact_norm, 1e-300)
+    err_abs = norm(actual64 - expected64)
+    err = err_abs / denominator
+    dtype = DTYPES[dtype_key] if name != "lse" else np.dtype(np.float32)
+    errors = {"round": norm(round_f64_to(expected64, dtype) - expected64) / denominator}
+    base_floor = FLOOR[dtype_key] if floor is None else floor
+
+    def allowed():
+        if exact_norm == 0.0:  # relative baselines mean nothing against an exact 0
+            return allowance
+        return (2.0 * max(errors.values()) + base_floor) * denominator + allowance
+
+    for label, compute in baselines.items():
+        if err_abs <= allowed() and not EAGER_BASELINES:
+            break
+        result = compute().astype(cupy.float64)
+        finite = bool(cupy.all(cupy.isfinite(result)))
+        errors[label] = norm(result - expected64) / denominator if finite else 0.0
+    tol = 2.0 * max(errors.values()) + base_floor
+    if exact_norm == 0.0:  # the exact answer is 0 (e.g. dq, dk when Sk == 1)
+        summary = f"{name} |err| {err_abs:.3g} (exact answer 0; allowed {allowed():.3g})"
+    else:
+        summary = f"{name} err {err:.3g} (tol {tol:.3g}; " + ", ".join(
+            f"{label} {value:.3g}" for label, value in errors.items()) + (
+            f"; +abs {allowance:.3g})" if allowance else ")")
+    if err_abs <= allowed():
+        report.note(summary)
+    else:
+        report.fail(summary)
+    return err
+
+
+def check_forward(report: Report, p: Problem, r: Result, e: Expected):
+    out = check_written(report, "out", r.out)
+    lse = check_written(report, "lse", r.lse, allow_neg_inf=True)
+    ref_lse = e.lse.astype(cupy.float64)
+    empty = cupy.isneginf(ref_lse)
+    mismatch = cupy.isneginf(lse) != empty
+    if bool(cupy.any(mismatch)):
+        report.fail(f"lse: -inf pattern differs from the reference's (rows that see no key) at "
+                    f"{int(cupy.count_nonzero(mismatch))} rows, first {first_bad_index(mismatch)}")
+    if bool(cupy.all(cupy.isfinite(out))):
+        check_close(report, "out", out, e.out, {"naive": lambda: e.naive_forward()[0]}, p.dtype)
+    finite = ~empty & cupy.isfinite(lse)
+    if bool(cupy.any(finite)) and not bool(cupy.any(mismatch)):
+        def naive_lse():
+            return cupy.where(finite, e.naive_forward()[1].astype(cupy.float64), 0.0)
+
+        check_close(report, "lse", cupy.where(finite, lse, 0.0), cupy.where(finite, ref_lse, 0.0),
+                    {"naive": naive_lse}, p.dtype, floor=LSE_FLOOR[p.dtype])
+
+
+def one_key_rows(p: Problem) -> int:
+    """Query rows (per batch and head) that see exactly one key: their softmax is exactly one-hot,
+    so their exact dq and their share of dk are 0 while FlashAttention leaves rounding noise."""
+    if p.Sk == 1:
+        return 1 if p.causal else p.Sq
+    return 1 if p.causal and p.Sq >= p.Sk else 0  # causal row Sq - Sk sees only key 0
+
+
+def cancellation_allowance(p: Problem, x: Inputs, rows: int) -> dict:
+    """Absolute allowance for dq and dk from ``rows`` one-hot rows per (batch, head):
+    CANCELLATION_ALLOWANCE * scale * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H)."""
+    if rows == 0:
+        return {}
+    common = (CANCELLATION_ALLOWANCE * p.softmax_scale * rms_row_norm(to_f64(x.dout))
+              * rms_row_norm(to_f64(x.v)) * math.sqrt(rows * p.B * p.H))
+    return {"dq": common * rms_row_norm(to_f64(x.k)), "dk": common * rms_row_norm(to_f64(x.q))}
+
+
+def check_backward(report: Report, p: Problem, x: Inputs, r: Result, e: Expected, *,
+                   degenerate: bool = False, finite_only: tuple = ()):
+    """dq, dk, dv against the reference. Rows that see a single key get the cancellation allowance
+    on dq and dk (module docstring); ``degenerate=True`` gives it to every row (one-hot softmax
+    everywhere, e.g. huge logits). Names in ``finite_only`` (ill-conditioned by construction) are
+    only checked to be written and finite."""
+    allowances = cancellation_allowance(p, x, p.Sq if degenerate else one_key_rows(p))
+    for name in ("dq", "dk", "dv"):
+        got = check_written(report, name, getattr(r, name))
+        if name in finite_only or not bool(cupy.all(cupy.isfinite(got))):
+            continue
+        baselines = {"naive": lambda n=name: e.naive_grads()[n],
+                     "stored": lambda n=name: e.residual_grads(r.out, r.lse)[n]}
+        check_close(report, name, got, e.grads[name], baselines, p.dtype, allowance=allowances.get(name, 0.0))
+
+
+def check_attention(p: Problem, *, backward: bool = True, inputs: Inputs | None = None,
+                    stream=None, out_layout: str = "bshd", degenerate: bool = False,
+                    finite_only: tuple = ()) -> Result:
+    """Run cuflash on ``p`` into poisoned buffers and hold every output to the rule."""
+    x = make_inputs(p) if inputs is None else inputs
+    r = run_cuflash(p, x, backward=backward, stream=stream, out_layout=out_layout)
+    if stream is not None:
+        _as_stream(stream).synchronize()
+    e = expected_for(p, x, backward=backward)
+    report = Report(p.id)
+    check_forward(report, p, r, e)
+    if backward:
+        check_backward(report, p, x, r, e, degenerate=degenerate, finite_only=finite_only)
+    report.check()
+    return r
+
+
+def _as_stream(stream):
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    return stream
+
+
+# --------------------------------------------------------------------------------------------
+# Session helpers
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def precompile_once() -> str:
+    """Compile every kernel variant once per process, in parallel (``cuflash.build.precompile``), so
+    tests pay no serial compile time. ``CUFLASH_TEST_PRECOMPILE=0`` skips it (compile on first use).
+    A failure is reported, not raised: the tests of the broken variants fail with the real error."""
+    if os.environ.get("CUFLASH_TEST_PRECOMPILE", "1") == "0":
+        return "precompile skipped (CUFLASH_TEST_PRECOMPILE=0)"
+    from cuflash import build
+
+    start = time.perf_counter()
+    try:
+        results = build.precompile()
+    except Exception as exc:  # noqa: BLE001 - reported; the affected tests fail with details
+        message = f"cuflash.build.precompile() failed after {time.perf_counter() - start:.1f} s: {exc}"
+        warnings.warn(message, stacklevel=2)
+        return message
+    fresh = sum(1 for r in results if not getattr(r, "cached", False))
+    return (f"precompiled {len(results)} kernel variants ({fresh} compiled, {len(results) - fresh} "
+            f"from the disk cache) in {time.perf_counter() - start:.1f} s")
+
+
+def announce_precompile(config) -> None:
+    """Run :func:`precompile_once` and print its summary the first time any module asks."""
+    first = precompile_once.cache_info().currsize == 0
+    message = precompile_once()
+    if first:
+        report_line(config, "\n" + message)
+
+
+def report_line(config, message: str) -> None:
+    """Print a line to the terminal even while pytest captures output."""
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(message)
+    else:  # pragma: no cover
+        print(message)

@@ -1,0 +1,117 @@
+"""Property-based fuzzing of forward and backward against the float64 reference (hypothesis).
+
+Each example draws B, Sq, Sk (1..600, mostly small), H and a dividing Hkv, D (a multiple of 8 up to
+256), Dv (usually D), dtype, causal, scale, layout (contiguous, (B,H,S,D) viewed as bshd, or padded
+rows), deterministic and an optional dlse, then holds cuflash to the rule in gpu_utils' docstring,
+writing into NaN-poisoned buffers.
+
+- Short mode (default): 100 derandomized examples, the same ones every run (~10-20 s).
+- Long mode: ``CUFLASH_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz_gpu.py`` draws that many
+  fresh random examples. At the end the number of cases run is printed and, when
+  ``CUFLASH_FUZZ_REPORT`` names a file, written there as JSON.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, given, note, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import gpu_utils as gu  # noqa: E402
+from gpu_utils import Problem  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_FUZZ_EXAMPLES") or 0)
+LONG_MODE = EXAMPLES > 0
+SHORT_EXAMPLES = 100
+
+_stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "seconds": 0.0}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fuzz_session(request):
+    """Compile kernels up front; afterwards print (and optionally write) how many cases ran."""
+    gu.announce_precompile(request.config)
+    yield
+    summary = {
+        "mode": "long" if LONG_MODE else "short",
+        "max_examples": EXAMPLES or SHORT_EXAMPLES,
+        "cases": _stats["cases"],
+        "failed_cases": _stats["failed"],
+        "by_dtype": dict(_stats["by_dtype"]),
+        "seconds": round(_stats["seconds"], 1),
+    }
+    gu.report_line(request.config, f"\ncuflash fuzz: {summary['cases']} cases run "
+                                   f"({summary['failed_cases']} failed, {summary['mode']} mode, "
+                                   f"{summary['seconds']} s) {summary['by_dtype']}")
+    path = os.environ.get("CUFLASH_FUZZ_REPORT")
+    if path:
+        with open(path, "w") as handle:
+            json.dump(summary, handle, indent=2)
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# Mostly short sequences (fast, and where the tail-tile bugs live), sometimes up to 600.
+LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600))
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(("bf16", "fp16", "fp32")))
+    heads = draw(st.sampled_from((1, 2, 3, 4, 6, 8)))
+    kv_heads = draw(st.sampled_from(_divisors(heads)))
+    head_dim = 8 * draw(st.integers(1, 32))
+    head_dim_v = head_dim if draw(st.integers(0, 4)) else 8 * draw(st.integers(1, 32))
+    # scale = factor / sqrt(D): logits of std `factor`, from nearly uniform to peaked softmax rows
+    factor = draw(st.one_of(st.none(), st.floats(0.1, 2.5)))
+    scale = None if factor is None else round(factor / head_dim ** 0.5, 4)
+    return Problem(
+        dtype,
+        B=draw(st.integers(1, 3)),
+        Sq=draw(LENGTHS),
+        Sk=draw(LENGTHS),
+        H=heads,
+        Hkv=kv_heads,
+        D=head_dim,
+        Dv=None if head_dim_v == head_dim else head_dim_v,
+        causal=draw(st.booleans()),
+        scale=scale,
+        layout=draw(st.sampled_from(("bshd", "bshd", "bshd", "bhsd", "padded"))),
+        deterministic=draw(st.booleans()),
+        dlse=draw(st.integers(0, 4)) == 0,
+    )
+
+
+@settings(
+    max_examples=EXAMPLES or SHORT_EXAMPLES,
+    derandomize=not LONG_MODE,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
+@given(p=problems())
+def test_fuzz_against_reference(p):
+    note(f"problem: {p.id}")
+    _stats["cases"] += 1
+    _stats["by_dtype"][p.dtype] += 1
+    start = time.perf_counter()
+    try:
+        gu.check_attention(p)
+    except BaseException:
+        _stats["failed"] += 1
+        raise
+    finally:
+        _stats["seconds"] += time.perf_counter() - start
