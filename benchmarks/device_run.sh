@@ -15,7 +15,9 @@ stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 stamp "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+# The tree travels without .git: the caller writes the commit to scratch/COMMIT before the run.
+export CUFLASH_COMMIT=$(cat scratch/COMMIT 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+echo "commit $CUFLASH_COMMIT" | tee -a "$OUT/device.txt"
 
 stamp "compile every variant"
 python3 -m cuflash compile --workers 16 > "$OUT/compile.txt" 2>&1

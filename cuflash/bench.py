@@ -144,6 +144,9 @@ def _version(module) -> str | None:
 
 
 def _commit() -> str:
+    """The checkout's commit; ``CUFLASH_COMMIT`` names it where the tree travels without .git."""
+    if os.environ.get("CUFLASH_COMMIT"):
+        return os.environ["CUFLASH_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

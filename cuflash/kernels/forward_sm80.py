@@ -113,7 +113,7 @@ def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> Kernel
         raise ValueError(f"{head_dim_bucket=} is not one of {HEAD_DIM_BUCKETS}")
     block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
     smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
-    per_sm, per_block = smem_capacity(arch)
+    _, per_block = smem_capacity(arch)
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
