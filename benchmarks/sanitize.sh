@@ -54,6 +54,11 @@ for tool in "${tools[@]}"; do
   if [ -z "$errors" ]; then  # racecheck's own summary line: "... (N errors, M warnings)"
     errors=$(grep -Eo 'RACECHECK SUMMARY: .*\(([0-9]+) error' "$log" | tail -n 1 | grep -Eo '\(([0-9]+)' | tr -d '(')
   fi
+  # racecheck reports intra-warp hazards (e.g. a missing __syncwarp) as warnings: count them too.
+  hazards=$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazards' "$log" | tail -n 1 | grep -Eo '[0-9]+')
+  if [ -n "$hazards" ] && [ "$hazards" != "0" ]; then
+    errors=$(( ${errors:-0} + hazards ))
+  fi
   note=""
   if [ "$rc" -eq 124 ]; then
     note=", TIMED OUT after ${limit} s"
