@@ -155,14 +155,17 @@ def test_side_stream_is_ordered_without_extra_sync(monkeypatch):
         with torch.cuda.stream(side):
             # Fresh leaves made on the side stream, so autograd's own AccumulateGrad nodes live there
             # too (leaves from the default stream make torch itself insert waits).
+            # dout too: a gradient from another stream makes autograd insert its own (legitimate) wait.
             leaves = [torch.zeros_like(x).requires_grad_() for x in (q, k, v)]
+            dout_side = torch.zeros_like(dout)
             with torch.no_grad():
                 torch.cuda._sleep(100_000_000)  # keep the side stream busy: a launch elsewhere reads zeros
                 for leaf, x in zip(leaves, (q, k, v)):
                     leaf.copy_(x)
+                dout_side.copy_(dout)
             q_side, k_side, v_side = leaves
             out = cft.attention(q_side, k_side, v_side, causal=True, deterministic=True)
-            out.backward(dout)
+            out.backward(dout_side)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side.synchronize()
