@@ -255,6 +255,32 @@ def _workspace_shapes(q, k, v, op_options, options) -> dict:
     return shapes
 
 
+def _cupy_dtypes() -> dict:
+    import ml_dtypes
+    import numpy
+
+    return {torch.float16: numpy.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: numpy.float32}
+
+
+def _as_cupy(t):
+    """A zero-copy CuPy view of a CUDA tensor's own memory (the tensor stays its owner).
+
+    Unlike a DLPack hand-off, this makes torch record no event: cuflash launches on torch's current
+    stream, so there is nothing to order. Anything else (CPU tensors, other dtypes, empty tensors)
+    is passed on unchanged for the core to accept or name in its error.
+    """
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.numel() == 0:
+        return t
+    dtype = _cupy_dtypes().get(t.dtype)
+    if dtype is None:
+        return t
+    itemsize = t.element_size()
+    extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * itemsize
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), extent, t, device_id=t.device.index)
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(s * itemsize for s in t.stride()))
+
+
 def _launch(core_fn, *args, **kwargs):
     device = args[0].device  # every tensor shares one device; the core checks
     # DLPack refuses tensors that require grad; detach() is a view: same memory, same pointer.
@@ -264,6 +290,8 @@ def _launch(core_fn, *args, **kwargs):
         core_fn(*args, **kwargs)  # the core names the problem
         return
     stream_ptr = torch.cuda.current_stream(device).cuda_stream
-    # torch's DLPack export insists on its current device being the tensor's; CuPy launches on its own.
+    args = [_as_cupy(a) for a in args]
+    kwargs = {n: ({k: _as_cupy(t) for k, t in a.items()} if isinstance(a, dict) else _as_cupy(a))
+              for n, a in kwargs.items()}
     with torch.cuda.device(device.index), cupy.cuda.Device(device.index), _cupy_stream(device.index, stream_ptr):
         core_fn(*args, stream=stream_ptr, **kwargs)

@@ -1,0 +1,103 @@
+"""Host (Python) time per call of each entry point, against the kernel time of a 1k-token problem.
+
+For each entry point: N back-to-back calls on a tiny problem (B=1, S=128, H=1, D=64: a few µs of GPU
+work, so the wall time per call is the host's), synchronized once at the end. Printed in µs.
+
+    python benchmarks/host_overhead.py
+"""
+import time
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+import cuflash
+
+N = 2000
+
+
+def per_call_us(fn, sync) -> float:
+    for _ in range(50):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(N):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / N * 1e6
+
+
+def kernel_ms(fn) -> float:
+    fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(20):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 20
+
+
+def main():
+    bf16 = ml_dtypes.bfloat16
+    rows = []
+    tiny = [cupy.random.standard_normal((1, 128, 1, 64), dtype=cupy.float32).astype(bf16) for _ in range(3)]
+    sync = cupy.cuda.get_current_stream().synchronize
+    out, lse = cuflash.attention_forward(*tiny)
+    dout = cupy.random.standard_normal(out.shape, dtype=cupy.float32).astype(bf16)
+    rows.append(("cupy  cuflash.attention_forward", per_call_us(lambda: cuflash.attention_forward(*tiny), sync)))
+    rows.append(("cupy  cuflash.attention_forward(out=, lse=)",
+                 per_call_us(lambda: cuflash.attention_forward(*tiny, out=out, lse=lse), sync)))
+    rows.append(("cupy  cuflash.attention_backward",
+                 per_call_us(lambda: cuflash.attention_backward(dout, *tiny, out, lse), sync)))
+
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        import cuflash.interop.jax as cfj
+
+        q = jnp.asarray(np.asarray(tiny[0].get(), dtype=np.float32), dtype=jnp.bfloat16)
+        fwd = jax.jit(lambda q, k, v: cfj.attention(q, k, v))
+        grad = jax.jit(jax.grad(lambda q, k, v: cfj.attention(q, k, v).astype(jnp.float32).sum()))
+        jax.block_until_ready(fwd(q, q, q))
+        jax.block_until_ready(grad(q, q, q))
+        last = {}
+
+        def run_fwd():
+            last["x"] = fwd(q, q, q)
+
+        def run_grad():
+            last["x"] = grad(q, q, q)
+
+        rows.append(("jax   jit(cfj.attention)", per_call_us(run_fwd, lambda: jax.block_until_ready(last["x"]))))
+        rows.append(("jax   jit(grad(cfj.attention))", per_call_us(run_grad, lambda: jax.block_until_ready(last["x"]))))
+    except ImportError as exc:
+        rows.append((f"jax   (not measured: {exc})", float("nan")))
+
+    try:
+        import torch
+
+        import cuflash.interop.torch as cft
+
+        tq = [torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        tg = [t.clone().requires_grad_() for t in tq]
+        rows.append(("torch cft.attention (no grad)", per_call_us(lambda: cft.attention(*tq), torch.cuda.synchronize)))
+
+        def fwd_bwd():
+            cft.attention(*tg).sum().backward()
+
+        rows.append(("torch cft.attention + backward", per_call_us(fwd_bwd, torch.cuda.synchronize)))
+    except ImportError as exc:
+        rows.append((f"torch (not measured: {exc})", float("nan")))
+
+    big = [cupy.random.standard_normal((1, 1024, 16, 128), dtype=cupy.float32).astype(bf16) for _ in range(3)]
+    ref_ms = kernel_ms(lambda: cuflash.attention_forward(*big))
+    print(f"{'entry point':<48} host µs/call")
+    for name, us in rows:
+        print(f"{name:<48} {us:10.1f}")
+    print(f"kernel time of a 1k-token forward (B=1, S=1024, H=16, D=128, bf16): {ref_ms * 1e3:.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
