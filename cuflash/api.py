@@ -8,15 +8,17 @@ from .arrays import describe, dtype_name, require_cuda, resolve_stream
 from .kernels import ProblemShape
 
 
-@contextlib.contextmanager
-def _on(device_id: int, stream):
-    """Make ``device_id`` and ``stream`` current for allocations and DLPack hand-offs."""
+def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_stream):
+    """Make ``device_id`` current for allocations and launches (a no-op when it already is); with no
+    ``stream=`` given, the work goes on that device's current stream. Returns the stream to use."""
     import cupy
 
-    switch_device = cupy.cuda.runtime.getDevice() != device_id
-    with cupy.cuda.Device(device_id) if switch_device else contextlib.nullcontext():
-        with stream:
-            yield
+    if cupy.cuda.runtime.getDevice() != device_id:
+        stack.enter_context(cupy.cuda.Device(device_id))
+        if given_stream is None:
+            stream = cupy.cuda.get_current_stream()
+            stack.enter_context(stream)
+    return stream
 
 
 def _buffer(given, name: str, shape: tuple, dtype: str, device: int, *, rows_only=False, fill=None):
@@ -60,13 +62,13 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     validation.reject_planned(options)
     for name, x in (("q", q), ("k", k), ("v", v)):
         require_cuda(x, name)
-    stream = resolve_stream(stream)
+    given_stream, stream = stream, resolve_stream(stream)
     with contextlib.ExitStack() as stack:
         stack.enter_context(stream)
         qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
         shape = validation.check_qkv(qd, kd, vd, causal=causal)
         scale = validation.check_scale(scale, shape.head_dim)
-        stack.enter_context(_on(qd.device, stream))
+        stream = _enter_device(stack, qd.device, stream, given_stream)
         no_keys = shape.seqlen_k == 0
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, qd.device,
                         fill=0 if no_keys else None)
@@ -105,13 +107,13 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     validation.reject_planned(options)
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         require_cuda(x, name)
-    stream = resolve_stream(stream)
+    given_stream, stream = stream, resolve_stream(stream)
     with contextlib.ExitStack() as stack:
         stack.enter_context(stream)
         qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
         shape = validation.check_qkv(qd, kd, vd, causal=causal)
         scale = validation.check_scale(scale, shape.head_dim)
-        stack.enter_context(_on(qd.device, stream))
+        stream = _enter_device(stack, qd.device, stream, given_stream)
         dev, dtype = qd.device, shape.dtype
         o_shape, l_shape = validation.out_shape(shape), validation.lse_shape(shape)
         out_d, dout_d = describe(out, "out"), describe(dout, "dout")

@@ -185,8 +185,10 @@ def test_no_copy(monkeypatch):
     forward = cuflash.attention_forward
 
     def spy(q_, k_, v_, *, out, lse, **options):
-        seen["q"] = cupy.from_dlpack(q_).data.ptr
-        seen["out"] = out.data_ptr()
+        # The adapter hands the core zero-copy CuPy views of torch's memory.
+        seen["q"] = cupy.asarray(q_).data.ptr
+        seen["q_strides"] = cupy.asarray(q_).strides
+        seen["out"] = cupy.asarray(out).data.ptr
         result = forward(q_, k_, v_, out=out, lse=lse, **options)
         seen["returned"] = result[0].data.ptr
         return result
@@ -194,6 +196,7 @@ def test_no_copy(monkeypatch):
     monkeypatch.setattr(cuflash, "attention_forward", spy)
     out = cft.attention(q, k, v)
     assert seen["q"] == q.data_ptr()
+    assert seen["q_strides"] == tuple(st * q.element_size() for st in q.stride())  # the view, not a copy
     assert seen["returned"] == seen["out"] == out.data_ptr()
 
     # The core itself, given torch buffers, writes them in place.

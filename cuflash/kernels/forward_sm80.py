@@ -9,7 +9,8 @@ Tile choice (see :func:`tile_sm80`) follows from three budgets per SM:
 
 - registers: 64 K per SM, at most 255 per thread; a 4-warp CTA fits twice per SM, an 8-warp CTA
   (above 128 registers per thread) once, so every choice runs 8 warps per SM. Per thread, the
-  fp32 accumulators of the output rows and of the score tile stay <= 160 (zero spills).
+  fp32 accumulators of the output rows and of the score tile stay <= 160 (zero spills), except the
+  two sm_90 tiles a measurement chose at 192 (D64 128 x 128, D128 128 x 64; see tile_sm80).
 - shared memory: ``2 * kHeadDim * (kBlockM + 2 * kStages * kBlockN)`` bytes per CTA (Q, then kStages
   K and V tiles), plus 1 KB the driver reserves per CTA. Per SM / per block: H100 (sm_90) 228 / 227 KB,
   A100 (sm_80) 164 / 163 KB, sm_86 / sm_89 100 / 99 KB.
@@ -58,10 +59,11 @@ def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) ->
 def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) for one head-dim bucket on ``arch``.
 
-    Register rule behind every row: a thread's fp32 accumulators, acc_o (kMTiles x D/8 x 4) plus
-    acc_s (kMTiles x kBlockN/8 x 4), stay <= 160. Above that ptxas fills the rest of the 255 with
-    prefetched ldmatrix fragments and starts spilling (seen at 192 for D128 with 64 keys, and D64
-    with 128 keys, on sm_80 / sm_90a); at 160 it settles at 218-247 registers with no spill.
+    Register rule behind the unmeasured rows: a thread's fp32 accumulators, acc_o (kMTiles x D/8 x 4)
+    plus acc_s (kMTiles x kBlockN/8 x 4), stay <= 160. Above that ptxas fills the rest of the 255 with
+    prefetched ldmatrix fragments and may spill (seen at 192 for D128 with 64 keys on sm_80 / sm_90a,
+    and D64 with 128 keys on sm_80); at 160 it settles at 214-251 registers with no spill. The two
+    measured sm_90 rows below trade that rule for speed.
     Two m16 tiles per warp (kMTiles = 2) wherever that rule allows: each K / V fragment read from
     shared memory then feeds two mma's, which keeps ldmatrix traffic under the shared-memory
     bandwidth; from D160 on the output rows alone exceed the rule at kMTiles = 2, so those warps
