@@ -26,17 +26,15 @@
 // With kStages = 1 this is FlashAttention-2's overlap: V_j loads under Q.K_j^T, K_{j+1} under the
 // softmax and P.V_j. With kStages >= 2 each load has a whole step or more to land.
 //
-// Checked without a GPU: every variant of all_variants(80 / 86 / 90) compiles for sm_80 and sm_90a
-// with 0 spill bytes and 0 stack; a CPU emulation of the warp collectives and of cp.async (with a
-// shared-memory race detector) matched a float64 reference over tails, D < bucket, Dv != D, GQA,
-// padded strides and zero / negative scales; a replay of the address formulas found every tile
-// covered exactly once and zero bank conflicts. Measured on a GPU: not yet. Target: >=
-// FlashAttention-2 on H100 bf16 (335 TFLOPS fwd at D=128, S=4k).
-
-// NVRTC has no <math.h>, hence no INFINITY; mask.cuh and softmax.cuh spell -inf with it.
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+// Checked without a GPU: every variant of all_variants(80 / 86 / 90) compiles for sm_80 and sm_90a;
+// spill-free except the sm_90a D128 128 x 64 x 1 tile (8-40 bytes, one cold value reloaded per
+// step, declared in forward_sm80.SPILL_ALLOWANCE). A CPU emulation of the warp collectives and of
+// cp.async (with a shared-memory race detector) matched a float64 reference over tails, D < bucket,
+// Dv != D, GQA, padded strides and zero / negative scales; a replay of the address formulas found
+// every tile covered exactly once and zero bank conflicts.
+// Measured (H200, bf16, tile sweep of 2026-11-21, see forward_sm80.tile_sm80): D64 128 x 128 x 2
+// stages 332 TFLOPS at S=4k; D128 128 x 64 x 1 stage 346 (causal 314), vs 313 (271) for the
+// spill-free 128 x 32 x 2. Target: >= FlashAttention-2 (H100: 335 TFLOPS fwd at D128, S=4k).
 
 #include "cuflash/params.cuh"
 #include "cuflash/mma_sm80.cuh"
@@ -75,14 +73,15 @@ struct SwizzledTile {
 };
 
 // Copies rows [tile_row0, tile_row0 + kRows) x columns [0, kHeadDim) of a row-major (seqlen, head
-// dim) slice whose row 0 starts at `base` into a SwizzledTile with cp.async. Rows >= seqlen and
-// columns >= cols_valid are zero-filled (reading nothing; `fallback`, the tensor's base, stands in as
-// the address). The 4 lanes of a quad copy the 4 chunks of one panel row, so 8 consecutive threads
-// fill one 128-byte bank line and each quad reads 64 contiguous bytes of global memory. A thread's
-// rows differ by multiples of 8 between passes, so its swizzle term, and hence everything but
-// compile-time offsets, is fixed per tile.
-template <typename Elem, int kRows, int kHeadDim, int kThreads>
-__device__ __forceinline__ void load_tile(unsigned smem_tile, const Elem* base, long long row_stride,
+// dim) slice whose row 0 starts at `base` into a SwizzledTile with cp.async. With kChecked, rows >=
+// seqlen and columns >= cols_valid are zero-filled (reading nothing; `fallback`, the tensor's base,
+// stands in as the address); without, the caller guarantees the tile is entirely in bounds. The 4
+// lanes of a quad copy the 4 chunks of one panel row, so 8 consecutive threads fill one 128-byte
+// bank line and each quad reads 64 contiguous bytes of global memory. A thread's rows differ by
+// multiples of 8 between passes, so its swizzle term, and hence everything but compile-time
+// offsets, is fixed per tile.
+template <typename Elem, int kRows, int kHeadDim, int kThreads, bool kChecked>
+__device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, long long row_stride,
                                           int tile_row0, int seqlen, int cols_valid, const void* fallback) {
     using Tile = SwizzledTile<kRows, kHeadDim>;
     constexpr int kSlotsPerPass = kThreads / kPanelChunks;  // panel rows copied per pass, one per quad
@@ -112,10 +111,28 @@ __device__ __forceinline__ void load_tile(unsigned smem_tile, const Elem* base, 
         const int row_pass = pass % kRowPasses;                     // rows advance by kSlotsPerPass ...
         const int panel_step = pass / kRowPasses * kPanelsPerPass;  // ... then panels
         if (!kPartPanel && Tile::kPanels % kPanelsPerPass != 0 && panel0 + panel_step >= Tile::kPanels) break;
-        const bool valid = row_pass * kSlotsPerPass < rows_left && panel_step * kPanelCols < cols_left;
+        const bool valid =
+            !kChecked || (row_pass * kSlotsPerPass < rows_left && panel_step * kPanelCols < cols_left);
         const Elem* gmem = thread_src + row_pass * pass_row_stride + panel_step * kPanelCols;
         sm80::cp_async_16(thread_dst + row_pass * kSlotsPerPass * kPanelRowBytes + panel_step * Tile::kPanelBytes,
                           valid ? static_cast<const void*>(gmem) : fallback, valid);
+    }
+}
+
+// copy_tile for any tile. With kInteriorFastPath, a tile entirely in bounds (all rows < seqlen,
+// cols_valid = kHeadDim: the common case) skips the per-copy test and its address select: one
+// uniform branch per tile instead of ~5 instructions per copy. The kernel turns it off for the
+// variants whose accumulators already take 192 registers: there the second copy of the pass loop
+// made ptxas spill (sm_90a, D128 128 x 64).
+template <typename Elem, int kRows, int kHeadDim, int kThreads, bool kInteriorFastPath>
+__device__ __forceinline__ void load_tile(unsigned smem_tile, const Elem* base, long long row_stride,
+                                          int tile_row0, int seqlen, int cols_valid, const void* fallback) {
+    if (kInteriorFastPath && tile_row0 + kRows <= seqlen && cols_valid >= kHeadDim) {
+        copy_tile<Elem, kRows, kHeadDim, kThreads, false>(smem_tile, base, row_stride, tile_row0, seqlen,
+                                                          cols_valid, fallback);
+    } else {
+        copy_tile<Elem, kRows, kHeadDim, kThreads, true>(smem_tile, base, row_stride, tile_row0, seqlen,
+                                                         cols_valid, fallback);
     }
 }
 
@@ -189,7 +206,8 @@ __device__ __forceinline__ void gemm_qk(float (&acc_s)[kMTiles][kNTiles][4], uns
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) {
             unsigned kb[4];
-            sm80::ldmatrix_x4(kb, k_tile + lanes.b[kk % 2] + kk / 2 * KTile::kPanelBytes + np * 16 * kPanelRowBytes);
+            sm80::ldmatrix_x4(kb, k_tile + lanes.b[kk % 2] + kk / 2 * KTile::kPanelBytes +
+                                      np * 16 * kPanelRowBytes);
             const unsigned kb_lo[2] = {kb[0], kb[1]};  // keys np*16 + 0..7
             const unsigned kb_hi[2] = {kb[2], kb[3]};  // keys np*16 + 8..15
 #pragma unroll
@@ -205,8 +223,9 @@ __device__ __forceinline__ void gemm_qk(float (&acc_s)[kMTiles][kNTiles][4], uns
 // n8 tiles 2kk and 2kk+1 is exactly the A fragment of k16 step kk. Each V fragment (.trans, two n8
 // output tiles) feeds kMTiles x 2 mma's.
 template <typename Elem, int kHeadDim, int kBlockN, int kMTiles, int kNTiles, int kDTiles>
-__device__ __forceinline__ void gemm_pv(float (&acc_o)[kMTiles][kDTiles][4], const float (&acc_s)[kMTiles][kNTiles][4],
-                                        unsigned v_tile, const LdmatrixLanes& lanes) {
+__device__ __forceinline__ void gemm_pv(float (&acc_o)[kMTiles][kDTiles][4],
+                                        const float (&acc_s)[kMTiles][kNTiles][4], unsigned v_tile,
+                                        const LdmatrixLanes& lanes) {
     using VTile = SwizzledTile<kBlockN, kHeadDim>;
     using Traits = ElemTraits<Elem>;
 #pragma unroll
@@ -222,7 +241,8 @@ __device__ __forceinline__ void gemm_pv(float (&acc_o)[kMTiles][kDTiles][4], con
 #pragma unroll
         for (int dp = 0; dp < kDTiles / 2; ++dp) {
             unsigned vb[4];
-            sm80::ldmatrix_x4_trans(vb, v_tile + lanes.a[dp % 2] + dp / 2 * VTile::kPanelBytes + kk * 16 * kPanelRowBytes);
+            sm80::ldmatrix_x4_trans(vb, v_tile + lanes.a[dp % 2] + dp / 2 * VTile::kPanelBytes +
+                                            kk * 16 * kPanelRowBytes);
             const unsigned vb_lo[2] = {vb[0], vb[1]};  // output columns dp*16 + 0..7
             const unsigned vb_hi[2] = {vb[2], vb[3]};  // output columns dp*16 + 8..15
 #pragma unroll
@@ -353,6 +373,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
     constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
+    constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
+    constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
     static_assert(sizeof(Elem) == 2, "the tensor-core forward takes fp16 or bf16");
     static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
@@ -381,26 +403,29 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     const unsigned smem_q = sm80::smem_addr(smem);
     const unsigned smem_k = smem_q + QTile::kBytes;
     const unsigned smem_v = smem_k + kStages * KVTile::kBytes;
-    const Elem* q_src = static_cast<const Elem*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
-    const Elem* k_src = static_cast<const Elem*>(params.k) + b * params.k_batch_stride + h_kv * params.k_head_stride;
-    const Elem* v_src = static_cast<const Elem*>(params.v) + b * params.v_batch_stride + h_kv * params.v_head_stride;
+    const Elem* q_src =
+        static_cast<const Elem*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
+    const Elem* k_src =
+        static_cast<const Elem*>(params.k) + b * params.k_batch_stride + h_kv * params.k_head_stride;
+    const Elem* v_src =
+        static_cast<const Elem*>(params.v) + b * params.v_batch_stride + h_kv * params.v_head_stride;
 
     // Step j visits key block n_end-1-j (boundary blocks first); its K and V live in slot
     // j % kStages. Each call commits one group, empty when step j does not exist, so the
     // wait counts below hold for every step.
     auto load_k = [&](int j) {
         if (j < n_blocks) {
-            load_tile<Elem, kBlockN, kHeadDim, kThreads>(smem_k + (j % kStages) * KVTile::kBytes, k_src,
-                                                         params.k_row_stride, (n_end - 1 - j) * kBlockN,
-                                                         params.seqlen_k, params.head_dim, params.k);
+            load_tile<Elem, kBlockN, kHeadDim, kThreads, kFastLoads>(
+                smem_k + (j % kStages) * KVTile::kBytes, k_src, params.k_row_stride, (n_end - 1 - j) * kBlockN,
+                params.seqlen_k, params.head_dim, params.k);
         }
         sm80::cp_async_commit();
     };
     auto load_v = [&](int j) {
         if (j < n_blocks) {
-            load_tile<Elem, kBlockN, kHeadDim, kThreads>(smem_v + (j % kStages) * KVTile::kBytes, v_src,
-                                                         params.v_row_stride, (n_end - 1 - j) * kBlockN,
-                                                         params.seqlen_k, params.head_dim_v, params.v);
+            load_tile<Elem, kBlockN, kHeadDim, kThreads, kFastLoads>(
+                smem_v + (j % kStages) * KVTile::kBytes, v_src, params.v_row_stride, (n_end - 1 - j) * kBlockN,
+                params.seqlen_k, params.head_dim_v, params.v);
         }
         sm80::cp_async_commit();
     };
@@ -408,8 +433,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     // Prologue: groups K0 (with Q), V0, K1, V1, ..., V_{kStages-2}, K_{kStages-1}: 2*kStages-1 groups.
     // Later steps commit V_{j+kStages-1} and K_{j+kStages}, keeping the order K0 V0 K1 V1 ...: when
     // step j waits for K_j (group 2j) or V_j (group 2j+1), exactly 2*kStages-2 younger groups exist.
-    load_tile<Elem, kBlockM, kHeadDim, kThreads>(smem_q, q_src, params.q_row_stride, row_begin, params.seqlen_q,
-                                                 params.head_dim, params.q);
+    load_tile<Elem, kBlockM, kHeadDim, kThreads, kFastLoads>(smem_q, q_src, params.q_row_stride, row_begin,
+                                                             params.seqlen_q, params.head_dim, params.q);
     load_k(0);
 #pragma unroll
     for (int s = 0; s + 1 < kStages; ++s) {

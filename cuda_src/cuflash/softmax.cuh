@@ -13,9 +13,10 @@
 // sum stays a per-lane partial during the loop; the quad adds it up once, in finalize.
 //
 // Fully masked rows: m stays -inf. The exponent offset then uses 0 instead of -inf*scale_log2, so
-// p = exp2(-inf) = 0 and finalize sees l == 0: output 0, lse = -inf, no NaN anywhere. Requires scale_log2 > 0, so that the max of
-// the raw scores is also the max of the scaled ones and -inf * scale_log2 stays -inf; a mainloop
-// maps a negative scale onto -Q and a zero one onto the smallest normal float (flash_fwd_sm80.cu).
+// p = exp2(-inf) = 0 and finalize sees l == 0: output 0, lse = -inf, no NaN anywhere.
+// Requires scale_log2 > 0, so that the max of the raw scores is also the max of the scaled ones
+// and -inf * scale_log2 stays -inf; a mainloop maps a negative scale onto -Q and a zero one onto
+// the smallest normal float (flash_fwd_sm80.cu).
 #pragma once
 
 #ifndef INFINITY  // NVRTC has no <math.h>
