@@ -126,3 +126,45 @@ def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
         if r.spill_stores + r.spill_loads > allowed:
             over.append((build.render_name(r.variant), r.spill_stores, r.spill_loads, allowed))
     assert not over, over
+
+
+_HEADER_PROBE = '''
+import sys, cupy
+from cuflash import build, params
+from cuflash.kernels import KernelVariant
+variant = KernelVariant("probe_value.cu", "cuflash::probe_value_kernel", (1,), threads=32, smem_bytes=0)
+out = cupy.zeros(1, dtype=cupy.float32)
+block = params.new_params()
+block[0]["lse"] = out.data.ptr
+kernel = build.get_kernel(variant, cupy.cuda.runtime.getDevice(), cupy.cuda.Device().compute_capability)
+kernel.function((1, 1, 1), (1, 1, 1), (block,))
+print(float(out.get()[0]), build.compile_count)
+'''
+
+
+@pytest.mark.gpu
+def test_header_edit_forces_a_rebuild_across_processes_on_the_gpu(source_copy, tmp_path):
+    """Two fresh processes share one disk cache; between them a header the kernel includes changes.
+    The second must compile again and run the new code (CuPy's own cache would have served the old)."""
+    import os
+    import subprocess
+    import sys
+
+    header = source_copy / "cuflash" / "probe_value.cuh"
+    header.write_text("#define CUFLASH_PROBE_VALUE 1.0f\n")
+    (source_copy / "probe_value.cu").write_text(
+        '#include "cuflash/params.cuh"\n#include "cuflash/probe_value.cuh"\n'
+        "namespace cuflash { template <int kUnused> __global__ void probe_value_kernel(const AttnParams p) {\n"
+        "  p.lse[0] = CUFLASH_PROBE_VALUE; } }\n")
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", _HEADER_PROBE], capture_output=True, text=True,
+                              env=dict(os.environ), timeout=300)
+        assert done.returncode == 0, done.stderr
+        value, compiles = done.stdout.split()
+        return float(value), int(compiles)
+
+    assert run() == (1.0, 1)  # compiled
+    assert run() == (1.0, 0)  # served from the disk cache
+    header.write_text("#define CUFLASH_PROBE_VALUE 2.0f\n")
+    assert run() == (2.0, 1)  # the header edit changed the key: rebuilt, new code runs
