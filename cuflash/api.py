@@ -21,6 +21,22 @@ def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_str
     return stream
 
 
+def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, options, arrays=()):
+    """The start every entry point shares: refuse planned options and non-GPU arrays (before touching
+    CUDA), make the stream current, describe and validate q/k/v, switch to their device.
+    Returns ``(qd, kd, vd, shape, scale, stream)``."""
+    validation.reject_planned(options)
+    for name, x in (("q", q), ("k", k), ("v", v)) + tuple(arrays):
+        require_cuda(x, name)
+    given_stream, stream = stream, resolve_stream(stream)
+    stack.enter_context(stream)
+    qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
+    shape = validation.check_qkv(qd, kd, vd, causal=causal)
+    scale = validation.check_scale(scale, shape.head_dim)
+    stream = _enter_device(stack, qd.device, stream, given_stream)
+    return qd, kd, vd, shape, scale, stream
+
+
 def _buffer(given, name: str, shape: tuple, dtype: str, device: int, *, rows_only=False, fill=None):
     """Describe a caller-provided buffer after checking it, or allocate one."""
     import cupy
@@ -59,16 +75,9 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     ``lse`` is the natural-log sum of exponentials of the scaled scores, ``-inf`` for a row that sees no
     key (whose output is 0). ``deterministic`` is accepted for symmetry: the forward always is.
     """
-    validation.reject_planned(options)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        require_cuda(x, name)
-    given_stream, stream = stream, resolve_stream(stream)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(stream)
-        qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
-        shape = validation.check_qkv(qd, kd, vd, causal=causal)
-        scale = validation.check_scale(scale, shape.head_dim)
-        stream = _enter_device(stack, qd.device, stream, given_stream)
+        qd, kd, vd, shape, scale, stream = _enter_call(stack, q, k, v, causal=causal, scale=scale,
+                                                       stream=stream, options=options)
         no_keys = shape.seqlen_k == 0
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, qd.device,
                         fill=0 if no_keys else None)
@@ -104,16 +113,10 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     ``workspace``: a dict of caller-allocated contiguous float32 buffers with the shapes
     :func:`backward_workspace` returns (frameworks pass their own memory; default: CuPy's pool).
     """
-    validation.reject_planned(options)
-    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        require_cuda(x, name)
-    given_stream, stream = stream, resolve_stream(stream)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(stream)
-        qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
-        shape = validation.check_qkv(qd, kd, vd, causal=causal)
-        scale = validation.check_scale(scale, shape.head_dim)
-        stream = _enter_device(stack, qd.device, stream, given_stream)
+        qd, kd, vd, shape, scale, stream = _enter_call(
+            stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options,
+            arrays=(("dout", dout), ("out", out), ("lse", lse)))
         dev, dtype = qd.device, shape.dtype
         o_shape, l_shape = validation.out_shape(shape), validation.lse_shape(shape)
         out_d, dout_d = describe(out, "out"), describe(dout, "dout")
