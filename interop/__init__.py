@@ -8,7 +8,6 @@
 Import the one you use; importing this package imports neither framework.
 """
 import functools
-import inspect
 import warnings
 
 
@@ -45,27 +44,3 @@ def _cupy_stream(device_id: int, stream_ptr: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return external(stream_ptr, device_id)
-
-
-# Options that are runtime values of a launch and never pick a kernel: not for prepare / backward_workspace.
-_RUNTIME_ONLY = frozenset({"scale"})
-
-
-@functools.lru_cache(maxsize=None)
-def _accepted_names(fn):
-    """The keyword names ``fn`` takes, or None when it also takes ``**kwargs``."""
-    parameters = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return frozenset(p.name for p in parameters)
-
-
-def _call_accepted(fn, *args, **options):
-    """``fn(*args, **options)`` for ``cuflash.prepare`` / ``cuflash.backward_workspace``, which take the
-    options that pick kernels (validating them), not the runtime values of a call such as ``scale``."""
-    names = _accepted_names(fn)
-    if names is None:
-        options = {name: value for name, value in options.items() if name not in _RUNTIME_ONLY}
-    else:
-        options = {name: value for name, value in options.items() if name in names}
-    return fn(*args, **options)

@@ -54,7 +54,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 import cuflash
-from cuflash.interop import _call_accepted, _cupy_stream
+from cuflash.interop import _cupy_stream
 
 __all__ = ["attention", "attention_sharded"]
 
@@ -188,7 +188,7 @@ def _forward_op(static: tuple):
     @custom_vmap
     def forward(q, k, v, arrays):
         _check_rank(q=q, k=k, v=v)
-        _call_accepted(cuflash.prepare, q, k, v, backward=False, **options)
+        cuflash.prepare(q, k, v, backward=False, **options)
         batch, seq_q, heads, _ = q.shape
         result = (
             jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[-1]), q.dtype),
@@ -214,12 +214,12 @@ def _backward_op(static: tuple):
 
     @custom_vmap
     def backward(dout, q, k, v, out, lse, dlse, arrays):
-        _call_accepted(cuflash.prepare, q, k, v, backward=True, **options)
+        cuflash.prepare(q, k, v, backward=True, **options)
         grads = {"dq": _like(q), "dk": _like(k), "dv": _like(v)}
         grads.update({grad: _like(arrays[name]) for name, grad in _GRADIENT_NAMES.items() if name in arrays})
         workspace = {
             name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
-            for name, shape in _call_accepted(cuflash.backward_workspace, q, k, v, **options).items()
+            for name, shape in cuflash.backward_workspace(q, k, v, **options).items()
         }
         args = (dout, q, k, v, out, lse, dlse, arrays)
         grads, _ = buffer_callback(callback, (grads, workspace))(*args)

@@ -30,7 +30,7 @@ import cupy
 import torch
 
 import cuflash
-from cuflash.interop import _call_accepted, _cupy_stream
+from cuflash.interop import _cupy_stream
 
 __all__ = ["attention"]
 
@@ -248,9 +248,9 @@ def _workspace_shapes(q, k, v, op_options, options) -> dict:
     if shapes is None:
         if q.device.type == "cuda":
             with cupy.cuda.Device(q.device.index):  # the shapes follow the architecture of the tensors' GPU
-                found = _call_accepted(cuflash.backward_workspace, q, k, v, **options)
+                found = cuflash.backward_workspace(q, k, v, **options)
         else:
-            found = _call_accepted(cuflash.backward_workspace, q, k, v, **options)
+            found = cuflash.backward_workspace(q, k, v, **options)
         shapes = _WORKSPACE_SHAPES[key] = {name: tuple(shape) for name, shape in found.items()}
     return shapes
 

@@ -123,11 +123,11 @@ class FakeCore:
         if set(options) - {"bias"}:
             raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(set(options) - {'bias'}))}")
 
-    def prepare(self, q, k, v, *, causal=False, deterministic=False, backward=True, **options):
+    def prepare(self, q, k, v, *, causal=False, deterministic=False, backward=True, scale=None, **options):
         self._check_options(options)
         self.calls.append(("prepare", tuple(q.shape), backward))
 
-    def backward_workspace(self, q, k, v, *, causal=False, deterministic=False, **options):
+    def backward_workspace(self, q, k, v, *, causal=False, deterministic=False, scale=None, **options):
         self._check_options(options)
         batch, seq_q, heads, head_dim = q.shape
         # One scratch that scales with the batch and one that does not: both must reach the backward whole.
