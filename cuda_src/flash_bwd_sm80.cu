@@ -30,6 +30,10 @@
 // streamed operand (Q/dO in the dK/dV kernel, K/V in the dQ kernel) is double-buffered: the next block's
 // cp.async is issued right after the barrier that opens the current one and overlaps a whole iteration.
 //
+// On sm_90a the dK/dV kernel of head dims 64, 128 and 256 runs its GEMMs on wgmma (template argument
+// kWgmma; see the kernel's comment): same warp roles, same shared-memory layout, same epilogue. The dQ
+// kernel (deterministic mode) and the other head dims stay on mma.sync.
+//
 // Registers: dK + dV + S^T + dP^T fill ~192 of the 255 registers at head dim 128, so the per-lane
 // ldmatrix addresses are rebuilt every iteration from an opaque lane index (SmemCursor: one XOR and an
 // immediate offset per ldmatrix) instead of being hoisted out of the loop and spilled.
@@ -42,6 +46,7 @@
 #include "cuflash/params.cuh"
 #include "cuflash/mma_sm80.cuh"
 #include "cuflash/mask.cuh"
+#include "cuflash/wgmma_sm90.cuh"
 
 namespace cuflash {
 namespace bwd_sm80 {
@@ -104,11 +109,14 @@ __device__ __forceinline__ float lse_log2_offset(float lse) {
 // Swizzled shared-memory tile of kRows x kCols 16-bit elements.
 //
 // A row is kChunks = kCols/8 chunks of 16 bytes. Chunks form aligned groups of kGroup (8 when kChunks is
-// a multiple of 8, else 4), and logical chunk c of row r is stored at (c / kGroup)*kGroup + (c % kGroup
-// ^ f(r)):
-//   kGroup 8 (head dims 64, 128, 192, 256; 64- and 128-wide P tiles): f(r) = r % 8. Rows are a multiple
-//     of 128 bytes, so 8 consecutive rows at one logical chunk hit 8 distinct 16-byte bank groups.
-//   kGroup 4 (head dims 32, 96, 160, 224; 32-wide P tiles): f(r) = (r / 2) % 4. Row r starts in bank group
+// a multiple of 8, else 4):
+//   kGroup 8 (head dims 64, 128, 192, 256; 64- and 128-wide P tiles): the "panel" layout of
+//     cuflash/wgmma_sm90.cuh. Chunk group j (columns 64j .. +64) of every row forms panel j, kRows rows of
+//     128 bytes, and logical chunk c of row r sits at chunk c % 8 ^ r % 8 of its panel row. 8 consecutive
+//     rows at one logical chunk hit 8 distinct 16-byte bank groups, and the layout is the hardware's
+//     128-byte swizzle, so wgmma reads these tiles as they are.
+//   kGroup 4 (head dims 32, 96, 160, 224; 32-wide P tiles): rows of kRowBytes = kChunks*16 bytes, logical
+//     chunk c of row r at (c / 4)*4 + (c % 4 ^ f(r)) with f(r) = (r / 2) % 4. Row r starts in bank group
 //     4*(r % 2); rows 2i and 2i+1 take the two halves and f separates the four pairs.
 // Every ldmatrix below reads 8 rows starting at a multiple of 8 at one logical chunk (conflict free);
 // every cp.async quarter warp writes 8 consecutive chunks; every C-fragment store one chunk of 8 rows.
@@ -119,15 +127,14 @@ struct SwizzledTile {
     static_assert(kCols % 32 == 0, "swizzled tile rows must be a multiple of 64 bytes");
     static constexpr int kChunks = kCols / 8;
     static constexpr int kGroup = kChunks % 8 == 0 ? 8 : 4;
-    static constexpr int kRowBytes = kChunks * 16;
-    static constexpr int kBytes = kRows * kRowBytes;
+    static constexpr int kRowBytes = kGroup == 8 ? 128 : kChunks * 16;          // row to row
+    static constexpr int kGroupBytes = kGroup == 8 ? kRows * 128 : kGroup * 16;  // chunk group to chunk group
+    static constexpr int kBytes = kRows * kChunks * 16;
 
-    static __device__ __forceinline__ int phys_chunk(int row, int chunk) {
-        const int f = kGroup == 8 ? (row & 7) : ((row >> 1) & 3);
-        return (chunk & ~(kGroup - 1)) | ((chunk ^ f) & (kGroup - 1));
-    }
     static __device__ __forceinline__ unsigned chunk_offset(int row, int chunk) {
-        return static_cast<unsigned>(row * kRowBytes + phys_chunk(row, chunk) * 16);
+        const int f = kGroup == 8 ? (row & 7) : ((row >> 1) & 3);
+        return static_cast<unsigned>((chunk / kGroup) * kGroupBytes + row * kRowBytes +
+                                     ((chunk ^ f) & (kGroup - 1)) * 16);
     }
     static __device__ __forceinline__ unsigned elem_offset(int row, int col) {
         return chunk_offset(row, col >> 3) + static_cast<unsigned>((col & 7) * 2);
@@ -151,7 +158,7 @@ struct SmemCursor {
         : addr(tile + Tile::chunk_offset(row, chunk)) {}
     __device__ __forceinline__ unsigned at(int dr, int dc) const {
         return (addr ^ static_cast<unsigned>((dc % Tile::kGroup) * 16)) +
-               static_cast<unsigned>(dr * Tile::kRowBytes + (dc / Tile::kGroup) * Tile::kGroup * 16);
+               static_cast<unsigned>(dr * Tile::kRowBytes + (dc / Tile::kGroup) * Tile::kGroupBytes);
     }
 };
 
@@ -433,16 +440,54 @@ __device__ __forceinline__ void dq_step(const Role& r, unsigned s_ds, unsigned s
     }
 }
 
-// Traps unless the launch gave at least kBytes of dynamic shared memory at a 128-byte aligned address
-// (the cursors' XOR addressing relies on the alignment).
-template <int kBytes>
+// The atomic dQ step on warpgroups: dq_rows[0 .. rows_valid, :] += dS . K for the block's kBlockM queries,
+// with dS read MN-major (transposed) from the [key][query] tile and K MN-major. The kNWarps / 4
+// warpgroups split the work three ways, in this order of preference:
+//   by queries  when there is one 64-query panel per warpgroup (each sums over all keys, all columns);
+//   by columns  when there is one query panel and the head dim has whole 64-column panels per warpgroup;
+//   by keys     otherwise (head dim 64): each warpgroup sums over its share of the keys, and both add
+//               into the same dq_accum elements.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, typename Role>
+__device__ __forceinline__ void wgmma_dq_step(const Role& r, unsigned s_ds, unsigned s_k, float* dq_rows,
+                                              int rows_valid, int head_dim) {
+    constexpr int kGroups = kNWarps / 4;
+    constexpr int kQueryPanels = kBlockM / sm90::kPanelCols;
+    constexpr int kPanels = kHeadDim / sm90::kPanelCols;
+    constexpr bool kSplitQueries = kQueryPanels == kGroups;
+    constexpr bool kSplitColumns = !kSplitQueries && kPanels % kGroups == 0;
+    static_assert(kSplitQueries || kQueryPanels == 1, "the dQ step takes one query panel or one per warpgroup");
+    constexpr int kCols = kSplitColumns ? kHeadDim / kGroups : kHeadDim;
+    constexpr int kKeys = kSplitQueries || kSplitColumns ? kBlockN : kBlockN / kGroups;
+    const int wg = r.warp / 4;
+    const int query_panel = kSplitQueries ? wg : 0;
+    const int panel0 = kSplitColumns ? wg * (kPanels / kGroups) : 0;
+    const int key_row0 = kSplitQueries || kSplitColumns ? 0 : wg * kKeys;
+    float acc[kCols / 8][4];
+    sm90::gemm_atb<Elem, kKeys, kBlockN, kBlockN>(acc, s_ds, query_panel, s_k, panel0, key_row0, false);
+    sm90::wait<0>();
+    sm90::fence_operand(acc);
+    const int row_lo = query_panel * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+        const int col = panel0 * sm90::kPanelCols + nt * 8 + 2 * r.t;
+        if (col >= head_dim) continue;
+        if (row_lo < rows_valid) atomic_add_pair(dq_rows + row_lo * kHeadDim + col, acc[nt][0], acc[nt][1]);
+        if (row_lo + 8 < rows_valid) {
+            atomic_add_pair(dq_rows + (row_lo + 8) * kHeadDim + col, acc[nt][2], acc[nt][3]);
+        }
+    }
+}
+
+// Traps unless the launch gave at least kBytes of dynamic shared memory at a kAlign-byte aligned address
+// (the cursors' XOR addressing relies on 128 bytes, wgmma's 128-byte swizzle on 1024).
+template <int kBytes, unsigned kAlign = 128>
 __device__ __forceinline__ void check_smem(unsigned smem) {
-    if (sm80::dynamic_smem_bytes() < static_cast<unsigned>(kBytes) || (smem & 127u) != 0) __trap();
+    if (sm80::dynamic_smem_bytes() < static_cast<unsigned>(kBytes) || (smem & (kAlign - 1)) != 0) __trap();
 }
 
 }  // namespace bwd_sm80
 
-extern __shared__ __align__(128) unsigned char bwd_sm80_smem[];
+extern __shared__ __align__(1024) unsigned char bwd_sm80_smem[];
 
 // ---------------------------------------------------------------------------------------------------
 // Pre-pass: softmax_d[b, h, i] = sum_{d < Dv} dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (fp32), and
@@ -512,7 +557,15 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 // Warp w owns keys key_group*16 .. +16 (key_group = w % kWarpsN). With kWarpsD = 2 the two warps of a key
 // group (d_split = w / kWarpsN) take query halves of S^T and interleaved 16-column groups of dK / dV:
 // the warp's n-tile pair j is head-dim columns (j*kWarpsD + d_split)*16 .. +16.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
+//
+// kWgmma (sm_90a only) runs the five GEMMs on warpgroup tensor-core instructions instead of mma.sync: the
+// warps keep exactly the roles above (warpgroup wg = warps 4wg .. 4wg+3 = keys 64wg .. +64, the 64 rows of
+// its wgmma tiles), so the masking, the exp and dS are the same code. S^T / dP^T read K / V and Q / dO
+// from shared memory (K-major), dV / dK take P^T / dS^T from registers and dO / Q MN-major, and the
+// atomic dQ step reads dS^T and K MN-major. Each operand is read from shared memory once per warpgroup
+// instead of once per warp, which is what bounds the mma.sync path (see the file header).
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq,
+          bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params) {
     using namespace bwd_sm80;
@@ -526,9 +579,18 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     constexpr int kMPerWarp = Traits::kMPerWarp;
     constexpr int kMTiles = kMPerWarp / 8;              // n-tiles of the warp's S^T rows
     constexpr int kDTiles = Traits::kDPerWarp / 8;      // n-tiles of the warp's dK / dV rows
+    // wgmma: warpgroups are whole groups of 16-key warps (kWarpsD = 1), or with kWarpsD = 2 warpgroup
+    // d_split owns a contiguous half of the head-dim panels (instead of interleaved 16-column groups).
+    static_assert(!kWgmma || (kNWarps % 4 == 0 && kHeadDim % 64 == 0 && kBlockM % 64 == 0 &&
+                              (kWarpsD == 1 || (kWarpsN == 4 && (kHeadDim / 64) % 2 == 0 && !Traits::kShareP))),
+                  "no warpgroup layout for this dK/dV tile");
+    // Head-dim column of n-tile nt of the warp's dK / dV rows.
+    auto dkdv_col0 = [](int nt, int d_split) {
+        return kWgmma ? d_split * Traits::kDPerWarp + nt * 8 : ((nt / 2) * kWarpsD + d_split) * 16 + (nt & 1) * 8;
+    };
 
     const unsigned smem = sm80::smem_addr(bwd_sm80_smem);
-    check_smem<Traits::kSmemBytes>(smem);
+    check_smem<Traits::kSmemBytes, kWgmma ? 1024u : 128u>(smem);
     const unsigned s_k = smem + Traits::kOffK;
     const unsigned s_v = smem + Traits::kOffV;
     const unsigned s_p = smem + (Traits::kShareP ? Traits::kOffDs : Traits::kOffP);
@@ -613,8 +675,9 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         const unsigned s_do = smem + Traits::kOffDo + stage * TileQ::kBytes;
 
         // This block's tiles have landed, and every warp is done with step - 1 (so the other stage and the
-        // P / dS tiles may be overwritten).
+        // P / dS tiles may be overwritten). wgmma reads them through the async proxy: fence first.
         sm80::cp_async_wait<0>();
+        if constexpr (kWgmma) sm90::fence_proxy_async();
         __syncthreads();
         if (step + 1 < num_m_blocks) {
             load_query_block(m_block, stage ^ 1, opaque(b), opaque(h), opaque(tid));
@@ -623,11 +686,22 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         const Role r = role_of(opaque(tid));
         const int lane = r.lane, g = r.g, t = r.t, key_row0 = r.key_row0, d_split = r.d_split, q_col0 = r.q_col0;
 
-        // S^T = K . Q^T for the warp's 16 keys x kMPerWarp queries.
+        // S^T = K . Q^T for the warp's 16 keys x kMPerWarp queries (and dP^T = V . dO^T, below). wgmma
+        // issues both at once and overlaps dP^T with the exp.
         float acc_s[kMTiles][4];
-        clear(acc_s);
-        gemm_abt<Elem, kHeadDim, kMTiles>(acc_s, cursor_a<TileK>(s_k, key_row0, 0, lane),
-                                          cursor_b<TileQ>(s_q, q_col0, 0, lane));
+        float acc_dp[kMTiles][4];
+        if constexpr (kWgmma) {
+            const int wg_key0 = key_row0 & ~63;
+            sm90::gemm_abt<Elem, kHeadDim, kBlockN, kBlockM>(acc_s, s_k, wg_key0, s_q, q_col0, false);
+            sm90::gemm_abt<Elem, kHeadDim, kBlockN, kBlockM>(acc_dp, s_v, wg_key0, s_do, q_col0, false);
+            sm90::fence_operand(acc_dp);
+            sm90::wait<1>();
+            sm90::fence_operand(acc_s);
+        } else {
+            clear(acc_s);
+            gemm_abt<Elem, kHeadDim, kMTiles>(acc_s, cursor_a<TileK>(s_k, key_row0, 0, lane),
+                                              cursor_b<TileQ>(s_q, q_col0, 0, lane));
+        }
 
         // P^T = exp(scale * S^T - lse): 0 where masked, past Sk, past Sq, or where lse = -inf.
         // Transposed C layout: row = key, column = query.
@@ -659,10 +733,14 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         }
 
         // dP^T = V . dO^T, then dS^T = P^T o (dP^T - D) in place.
-        float acc_dp[kMTiles][4];
-        clear(acc_dp);
-        gemm_abt<Elem, kHeadDim, kMTiles>(acc_dp, cursor_a<TileK>(s_v, key_row0, 0, lane),
-                                          cursor_b<TileQ>(s_do, q_col0, 0, lane));
+        if constexpr (kWgmma) {
+            sm90::wait<0>();
+            sm90::fence_operand(acc_dp);
+        } else {
+            clear(acc_dp);
+            gemm_abt<Elem, kHeadDim, kMTiles>(acc_dp, cursor_a<TileK>(s_v, key_row0, 0, lane),
+                                              cursor_b<TileQ>(s_do, q_col0, 0, lane));
+        }
 #pragma unroll
         for (int nt = 0; nt < kMTiles; ++nt) {
             const float2 d = ld_shared_f32x2(s_dsum + nt * 8 * 4);
@@ -682,19 +760,42 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
             unsigned p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
             pack_a<Elem>(p_frag, acc_s);
             pack_a<Elem>(ds_frag, acc_dp);
-            if constexpr (kAtomicDq) store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
-            gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
-                acc_dv, [&](int kk, unsigned (&a)[4]) { for (int i = 0; i < 4; ++i) a[i] = p_frag[kk][i]; }, do_cols);
-            gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
-                acc_dk, [&](int kk, unsigned (&a)[4]) { for (int i = 0; i < 4; ++i) a[i] = ds_frag[kk][i]; }, q_cols);
-            if constexpr (kAtomicDq) __syncthreads();   // dS^T of every warp visible to the dQ step
+            if constexpr (kWgmma) {
+                sm90::fence_operand(acc_dv);
+                sm90::fence_operand(acc_dk);
+                sm90::gemm_rs<Elem, kBlockM / 16, kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
+                sm90::gemm_rs<Elem, kBlockM / 16, kBlockM>(acc_dk, ds_frag, s_q, 0, 0, true);
+                if constexpr (kAtomicDq) {
+                    store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
+                    sm90::fence_proxy_async();
+                    __syncthreads();   // dS^T of every warp visible to the dQ step's wgmma
+                }
+            } else {
+                if constexpr (kAtomicDq) store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
+                gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
+                    acc_dv, [&](int kk, unsigned (&a)[4]) { for (int i = 0; i < 4; ++i) a[i] = p_frag[kk][i]; },
+                    do_cols);
+                gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
+                    acc_dk, [&](int kk, unsigned (&a)[4]) { for (int i = 0; i < 4; ++i) a[i] = ds_frag[kk][i]; },
+                    q_cols);
+                if constexpr (kAtomicDq) __syncthreads();   // dS^T of every warp visible to the dQ step
+            }
         } else {
             // The warp holds its query half only: P^T and dS^T of the block go through shared memory.
             const SmemCursor<TileP> p_rows = cursor_a<TileP>(s_p, key_row0, 0, lane);
             const SmemCursor<TileP> ds_rows = cursor_a<TileP>(s_ds, key_row0, 0, lane);
             store_c_tile<Elem, TileP>(s_p, acc_s, key_row0, q_col0, lane);
             if constexpr (!Traits::kShareP) store_c_tile<Elem, TileP>(s_ds, acc_dp, key_row0, q_col0, lane);
+            if constexpr (kWgmma) sm90::fence_proxy_async();
             __syncthreads();   // P^T (and dS^T) of both query halves visible
+            if constexpr (kWgmma) {
+                // Warpgroup d_split: dV, dK of all kBlockN keys x its half of the head-dim panels.
+                constexpr int kHalfPanels = kHeadDim / sm90::kPanelCols / 2;
+                sm90::fence_operand(acc_dv);
+                sm90::fence_operand(acc_dk);
+                sm90::gemm_ab<Elem, kBlockM, kBlockN, kBlockM>(acc_dv, s_p, 0, s_do, d_split * kHalfPanels, true);
+                sm90::gemm_ab<Elem, kBlockM, kBlockN, kBlockM>(acc_dk, s_ds, 0, s_q, d_split * kHalfPanels, true);
+            } else {
             gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
                 acc_dv, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, p_rows.at(0, 2 * kk)); }, do_cols);
             if constexpr (Traits::kShareP) {
@@ -704,9 +805,14 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
             }
             gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
                 acc_dk, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, ds_rows.at(0, 2 * kk)); }, q_cols);
+            }
         }
 
-        if constexpr (kAtomicDq) {
+        if constexpr (kAtomicDq && kWgmma) {
+            wgmma_dq_step<Elem, kHeadDim, kBlockM, kBlockN, kNWarps>(
+                r, s_ds, s_k, params.dq_accum + (bh * seqlen_q + query0) * kHeadDim, seqlen_q - query0,
+                params.head_dim);
+        } else if constexpr (kAtomicDq) {
             // dq_accum[query0 + .., :] += dS . K (unscaled), in column parts of at most 32 accumulators.
             constexpr DqWarpLayout kL = Traits::kDq;
             constexpr int kParts = kL.m_tiles * kL.n_tiles * 4 > 32 && kL.n_tiles % 4 == 0 ? 2 : 1;
@@ -720,6 +826,12 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
                     r, s_ds, s_k, params.dq_accum + (bh * seqlen_q + query0) * kHeadDim, kHeadDim,
                     seqlen_q - query0, params.head_dim);
             }
+        }
+        if constexpr (kWgmma) {
+            // dV / dK (and dQ) wgmma done: the next barrier frees their shared-memory operands.
+            sm90::wait<0>();
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dk);
         }
     }
 
@@ -736,7 +848,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         Elem* dv_ptr = static_cast<Elem*>(params.dv) + b * params.dv_batch_stride + hk * params.dv_head_stride;
 #pragma unroll
         for (int nt = 0; nt < kDTiles; ++nt) {
-            const int c0 = ((nt / 2) * kWarpsD + d_split) * 16 + (nt & 1) * 8;
+            const int c0 = dkdv_col0(nt, d_split);
             const int col = c0 + 2 * t;
             if (c0 < params.head_dim) {
                 if (row_lo < seqlen_k) {
@@ -765,7 +877,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         float* dv_part = params.dv_accum + bh * seqlen_k * kHeadDim;
 #pragma unroll
         for (int nt = 0; nt < kDTiles; ++nt) {
-            const int c0 = ((nt / 2) * kWarpsD + d_split) * 16 + (nt & 1) * 8;
+            const int c0 = dkdv_col0(nt, d_split);
             const int col = c0 + 2 * t;
             if (c0 < params.head_dim) {
                 if (row_lo < seqlen_k) {

@@ -168,3 +168,16 @@ def test_header_edit_forces_a_rebuild_across_processes_on_the_gpu(source_copy, t
     assert run() == (1.0, 0)  # served from the disk cache
     header.write_text("#define CUFLASH_PROBE_VALUE 2.0f\n")
     assert run() == (2.0, 1)  # the header edit changed the key: rebuilt, new code runs
+
+
+def test_generated_wgmma_wrappers_are_up_to_date():
+    """cuda_src/cuflash/wgmma_sm90_ops.cuh is exactly what tools/gen_wgmma_sm90.py writes."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "tools" / "gen_wgmma_sm90.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma_sm90", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    on_disk = (sources.source_dir() / "cuflash" / "wgmma_sm90_ops.cuh").read_text()
+    assert on_disk == gen.render(), "run python tools/gen_wgmma_sm90.py"

@@ -101,13 +101,39 @@ _DQ_TILES = {
 }
 
 
+#: Head-dim buckets whose dK/dV kernel runs on wgmma on sm_90a: whole 64-column panels, split evenly
+#: between the two warpgroups at head dim 256. The wgmma path reads each shared-memory operand once per
+#: warpgroup instead of once per warp; the mma.sync path is bound by shared-memory bandwidth (ncu, D128:
+#: L1/shared 74% busy, SM 39%). 192 would need a 96-column (1.5-panel) half per warpgroup.
+WGMMA_BUCKETS = (64, 128, 256)
+
+
+def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
+    """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path."""
+    return arch == 90 and head_dim_bucket in WGMMA_BUCKETS
+
+
+# The dK/dV tiles of the wgmma path (sm_90a), 8 warps = 2 warpgroups of 64 keys each:
+#   64: 128 queries x 128 keys. S^T / dP^T are m64n128 per warpgroup (64 + 64 accumulators) on top of
+#       dK + dV (32 + 32): twice the GEMM work per query block of the 64-query tile for the same
+#       barriers, exp bookkeeping and K / V residency, and the dQ step splits by query panel (one atomic
+#       per dq element per block instead of two). 130 KB.
+#  128: 64 x 128 (the mma.sync tile): dK + dV are already 64 + 64 accumulators. 145 KB.
+#  256: 64 x 64 (the mma.sync tile): both warpgroups compute S^T / dP^T for all 64 keys and their
+#       32-query half, exchange P^T / dS^T through shared memory, and each keeps dK / dV for all keys
+#       and its 128-column half (64 + 64 accumulators). 209 KB.
+_DKDV_TILES_WGMMA = {64: (128, 128, 8), 128: (64, 128, 8), 256: (64, 64, 8)}
+
+
 def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
-    """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the table's comment.
+    """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the tables' comments.
 
     Causal uses the same tiles: only the diagonal blocks pay for the mask, and smaller tiles would not
     shorten the (already longest-first) schedule enough to pay for more barriers per FLOP.
     """
     del causal
+    if uses_wgmma(arch, head_dim_bucket):
+        return BwdTile(*_DKDV_TILES_WGMMA[head_dim_bucket])
     return BwdTile(*_DKDV_TILES[_tier(arch)][head_dim_bucket])
 
 
@@ -171,7 +197,8 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, causal: bool, atomic_dq: bo
     smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dkdv_kernel",
-        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq)),
+        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq),
+         uses_wgmma(arch, bucket)),
         tile.num_warps * 32, smem), arch)
 
 
