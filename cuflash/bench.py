@@ -23,6 +23,12 @@ normal, never zeros. cuflash runs on the very torch tensors the peers get, throu
 ``cupy.from_dlpack`` (zero-copy), on torch's current stream. FLOPs: forward ``4 B H S^2 D``, halved
 when causal; forward+backward 3.5x the forward.
 
+cuflash's ``deterministic=True`` backward (bit-identical dQ/dK/dV, no float atomics) is timed too, in the
+same run and the same way as its default forward+backward, right after it on the same inputs: the
+forward+backward table's ``cf-det`` column (its TFLOPS, same FLOP count) and ``det/cf`` (cf-det over
+cuflash); in the JSON, ``fwd_bwd_det_*`` keys in each cell's ``cuflash`` entry. ``--no-deterministic``
+skips it.
+
 Output: a progress bar, one table (TFLOPS, with cuflash / cuDNN and cuflash / FA2 ratios), and
 ``bench.json`` + ``bench.png`` in ``--out`` (default ./bench_out). Without a GPU it says so and exits 0.
 """
@@ -55,6 +61,8 @@ IMPLS = (
     ("fa4", "FA4"),
 )
 MODES = ("fwd", "fwd_bwd")
+#: cuflash's forward + ``deterministic=True`` backward: timed after its ``fwd_bwd``, reported beside it.
+DET_MODE = "fwd_bwd_det"
 #: triton.testing.do_bench budgets (milliseconds of warm-up / of timed repeats).
 WARMUP_MS, REP_MS = 25, 100
 #: bf16 outputs of two correct kernels differ by ~4e-3 (rounding); more than this is a red flag.
@@ -80,7 +88,7 @@ class Cell:
 
     def flops(self, mode: str) -> float:
         fwd = 4.0 * self.B * self.H * self.S * self.S * self.D * (0.5 if self.causal else 1.0)
-        return fwd * (3.5 if mode == "fwd_bwd" else 1.0)
+        return fwd * (3.5 if mode in ("fwd_bwd", DET_MODE) else 1.0)
 
 
 def _kind(causal: bool) -> str:
@@ -316,15 +324,29 @@ def _cuflash(cell: Cell, x: Inputs, torch):
     stream = torch.cuda.current_stream().cuda_stream if x.torch else None
     q, k, v, dout = x.cq, x.ck, x.cv, x.cdout
     cuflash.prepare(q, k, v, causal=cell.causal, backward=True)
+    try:  # a deterministic plan that cannot load makes only the cf-det column n/a
+        cuflash.prepare(q, k, v, causal=cell.causal, backward=True, deterministic=True)
+        det_problem = None
+    except Exception as exc:  # noqa: BLE001
+        det_problem = exc
 
     def fwd():
         return cuflash.attention_forward(q, k, v, causal=cell.causal, stream=stream)
 
-    def fwd_bwd():
+    def backward(deterministic: bool):
         out, lse = cuflash.attention_forward(q, k, v, causal=cell.causal, stream=stream)
-        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=cell.causal, stream=stream)
+        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=cell.causal,
+                                          deterministic=deterministic, stream=stream)
 
-    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+    def fwd_bwd():
+        return backward(False)
+
+    def fwd_bwd_det():
+        if det_problem is not None:
+            raise det_problem
+        return backward(True)
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd, DET_MODE: fwd_bwd_det}
 
 
 def _sdpa(backend_name: str):
@@ -486,7 +508,19 @@ def _relative_difference(a, b) -> float:
     return float(cupy.sqrt(cupy.sum(diff * diff)) / cupy.sqrt(cupy.sum(b32 * b32)))
 
 
-def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progress) -> dict:
+def modes_of(impl: str, deterministic: bool = True) -> tuple:
+    """The timed configurations of one implementation in one cell, in timing order."""
+    return MODES + ((DET_MODE,) if deterministic and impl == "cuflash" else ())
+
+
+def _det_difference(fns: dict) -> float:
+    """Worst relative difference of dq/dk/dv between cuflash's default and deterministic backward."""
+    default, det = fns["fwd_bwd"](), fns[DET_MODE]()
+    return max(_relative_difference(a, b) for a, b in zip(det, default, strict=True))
+
+
+def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progress,
+                 deterministic: bool = True) -> dict:
     x = make_inputs(cell, torch)
     results: dict = {}
     outputs: dict = {}
@@ -507,10 +541,10 @@ def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progres
                 outputs[impl] = out[0] if isinstance(out, tuple) else out
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run this cell is reported, not fatal
             entry["note"] = "n/a: " + _reason(exc)
-            for _ in MODES:
+            for _ in modes_of(impl, deterministic):
                 progress.step(f"{cell.name} {impl} n/a")
             continue
-        for mode in MODES:
+        for mode in modes_of(impl, deterministic):
             progress.step(f"{cell.name} {impl} {mode}")
             try:
                 with warnings.catch_warnings():
@@ -522,7 +556,18 @@ def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progres
                 entry[f"{mode}_ms"] = round(ms, 4)
                 entry[f"{mode}_tflops"] = round(cell.flops(mode) / (ms * 1e-3) / 1e12, 1)
             except Exception as exc:  # noqa: BLE001
-                entry[f"{mode}_note"] = "n/a: " + _reason(exc)
+                prefix = "n/a (deterministic=True): " if mode == DET_MODE else "n/a: "
+                entry[f"{mode}_note"] = prefix + _reason(exc)
+        det, default = entry.get(f"{DET_MODE}_tflops"), entry.get("fwd_bwd_tflops")
+        if det is not None and default:
+            entry[f"{DET_MODE}_ratio"] = round(det / default, 3)  # the table's det/cf
+        if det is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    entry[f"{DET_MODE}_grad_difference"] = round(_det_difference(fns), 5)
+            except Exception as exc:  # noqa: BLE001
+                entry[f"{DET_MODE}_check_note"] = "n/a: " + _reason(exc)
         if cell.memory and block is None:
             try:
                 peak = _peak_mib(impl, fns["fwd_bwd"], torch)
@@ -530,6 +575,11 @@ def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progres
                     entry["fwd_bwd_peak_mib"] = round(peak, 1)
             except Exception as exc:  # noqa: BLE001
                 entry["memory_note"] = "n/a: " + _reason(exc)
+            if det is not None:
+                try:
+                    entry[f"{DET_MODE}_peak_mib"] = round(_peak_mib(impl, fns[DET_MODE], torch), 1)
+                except Exception as exc:  # noqa: BLE001
+                    entry[f"{DET_MODE}_memory_note"] = "n/a: " + _reason(exc)
     check = {}
     if "cuflash" in outputs:
         for peer in ("torch-cudnn", "torch-fa2", "torch-efficient", "fa4"):
@@ -557,7 +607,7 @@ def _synchronize(torch):
         cupy.cuda.Device().synchronize()
 
 
-def _precompile(cells: list) -> str:
+def _precompile(cells: list, deterministic: bool = True) -> str:
     """Compile the cuflash kernels the cells need, in parallel, before any timing."""
     import cupy
 
@@ -569,6 +619,12 @@ def _precompile(cells: list) -> str:
         shape = kernels.ProblemShape(c.B, c.S, c.S, c.H, c.Hkv, c.D, c.D, "bfloat16", c.causal)
         for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, False)):
             variants.update(launch.variant for launch in plan.launches)
+        if deterministic:
+            try:  # a shape without a deterministic plan shows n/a in cf-det, not here
+                plan = kernels.plan_backward(shape, arch, True)
+                variants.update(launch.variant for launch in plan.launches)
+            except Exception:  # noqa: BLE001
+                pass
     t0 = time.perf_counter()
     compiled = build.precompile(variants=sorted(variants, key=repr))
     fresh = sum(1 for r in compiled if not getattr(r, "cached", False))
@@ -589,14 +645,22 @@ def _ratio(a, b) -> str:
     return f"{'-':>8}"
 
 
+def has_deterministic(report: dict) -> bool:
+    """Whether the run timed cuflash's deterministic backward (then the table shows cf-det, det/cf)."""
+    return any(key.startswith(DET_MODE) for c in report["cells"] for key in c["results"].get("cuflash", {}))
+
+
 def table(report: dict) -> str:
     impls = report["implementations"]
     labels = dict(IMPLS)
     cudnn = "torch-cudnn" if "torch-cudnn" in impls else ("jax-cudnn" if "jax-cudnn" in impls else None)
+    det = has_deterministic(report)
     lines = []
     for mode, title in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
         head = f"{'cell (' + title + ', TFLOPS)':34s}" + "".join(f"{labels[i]:>8s}" for i in impls)
         head += f"{'cf/cuDNN':>9s}{'cf/FA2':>9s}{'cf/best':>9s}"
+        if mode == "fwd_bwd" and det:
+            head += f"{'cf-det':>8s}{'det/cf':>9s}"
         if mode == "fwd_bwd" and any(c.get("memory") for c in report["cells"]):
             head += "  peak MiB (cuflash / cuDNN / FA2)"
         lines += [head, "-" * len(head)]
@@ -609,6 +673,9 @@ def table(report: dict) -> str:
             row += " " + _ratio(ours, values.get(cudnn) if cudnn else None)
             row += " " + _ratio(ours, values.get("torch-fa2"))
             row += " " + _ratio(ours, max(peers) if peers else None)
+            if mode == "fwd_bwd" and det:
+                ours_det = r.get("cuflash", {}).get(f"{DET_MODE}_tflops")
+                row += " " + _fmt(ours_det) + " " + _ratio(ours_det, ours)
             if mode == "fwd_bwd" and c.get("memory"):
                 mem = [r.get(i, {}).get("fwd_bwd_peak_mib") for i in ("cuflash", "torch-cudnn", "torch-fa2")]
                 row += "  " + " / ".join(f"{m:.0f}" if isinstance(m, (int, float)) else "n/a" for m in mem)
@@ -631,6 +698,16 @@ def table(report: dict) -> str:
         if bad:
             lines.append(f"WARNING: cuflash's output differs from the peer's by more than {OUTPUT_CHECK_LIMIT} "
                          "in: " + "; ".join(bad))
+    grads = [(e[f"{DET_MODE}_grad_difference"], c["name"]) for c in report["cells"]
+             for e in [c["results"].get("cuflash", {})] if f"{DET_MODE}_grad_difference" in e]
+    if grads:
+        worst = max(grads)
+        lines.append(f"deterministic check (cuflash dq/dk/dv, deterministic vs default, relative difference): "
+                     f"worst {worst[0]:.2e} in {worst[1]}")
+        bad = [f"{name} ({diff:.2e})" for diff, name in grads if diff > OUTPUT_CHECK_LIMIT]
+        if bad:
+            lines.append(f"WARNING: cuflash's deterministic gradients differ from the default ones by more than "
+                         f"{OUTPUT_CHECK_LIMIT} in: " + "; ".join(bad))
     return "\n".join(lines)
 
 
@@ -645,17 +722,25 @@ def plot(report: dict, path: Path) -> str:
     impls = report["implementations"]
     labels = dict(IMPLS)
     cells = report["cells"]
+    det = has_deterministic(report)
     fig, axes = plt.subplots(2, 1, figsize=(max(10, 0.9 * len(cells) + 3), 9), sharex=True)
-    width = 0.8 / max(1, len(impls))
     for ax, mode, title in zip(axes, MODES, ("forward", "forward + backward"), strict=True):
-        for index, impl in enumerate(impls):
-            values = [c["results"].get(impl, {}).get(f"{mode}_tflops") or 0.0 for c in cells]
-            ax.bar([i + (index - (len(impls) - 1) / 2) * width for i in range(len(cells))], values,
-                   width, label=labels[impl])
+        # (implementation, key, label, style) per bar; each implementation keeps its colour in both
+        # panels, cuflash deterministic sits next to cuflash in a hatched lighter shade of its colour
+        series = [(i, f"{mode}_tflops", labels[i], {"color": f"C{n}"}) for n, i in enumerate(impls)]
+        if mode == "fwd_bwd" and det:
+            series.insert(1, ("cuflash", f"{DET_MODE}_tflops", "cuflash det",
+                              {"color": "C0", "alpha": 0.45, "hatch": "//"}))
+        width = 0.8 / max(1, len(series))
+        for index, (impl, key, label, style) in enumerate(series):
+            values = [c["results"].get(impl, {}).get(key) or 0.0 for c in cells]
+            ax.bar([i + (index - (len(series) - 1) / 2) * width for i in range(len(cells))], values,
+                   width, label=label, **style)
         ax.set_ylabel("TFLOPS")
         ax.set_title(f"{title}, bf16 ({report['meta']['device']['name']})")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=len(impls), fontsize=8)
+        if ax is axes[0] or len(series) != len(impls):
+            ax.legend(ncol=len(series), fontsize=8)
     axes[1].set_xticks(range(len(cells)))
     axes[1].set_xticklabels([c["name"] for c in cells], rotation=60, ha="right", fontsize=8)
     fig.tight_layout()
@@ -678,6 +763,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-peers", action="store_true", help="time cuflash alone")
     parser.add_argument("--peers", metavar="NAME[,NAME...]",
                         help="only these peers: cudnn, fa2, efficient, jax-cudnn, fa4 (default: all installed)")
+    parser.add_argument("--no-deterministic", action="store_true",
+                        help="do not time cuflash's deterministic=True backward (the cf-det, det/cf columns)")
     parser.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png (default ./bench_out)")
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     return parser
@@ -704,19 +791,21 @@ def main(argv=None) -> int:
     if torch is not None and not torch.cuda.is_available():
         torch = None
     impls = ["cuflash"] + _installed_peers(torch, args.no_peers, args.peers)
+    deterministic = not args.no_deterministic
     start = time.perf_counter()
     try:
-        print(_precompile(cells), flush=True)
+        print(_precompile(cells, deterministic), flush=True)
     except Exception as exc:  # noqa: BLE001 - then each cell compiles on first use
         print(f"precompile skipped ({_reason(exc)}); kernels compile on first use", flush=True)
     timer = Timer()
     print(f"timing {len(cells)} cells x {len(impls)} implementations ({', '.join(impls)}) with "
-          f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}", flush=True)
+          f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}"
+          f"{', plus cuflash deterministic=True forward+backward' if deterministic else ''}", flush=True)
 
-    progress = Progress(len(cells) * len(impls) * len(MODES))
+    progress = Progress(len(cells) * sum(len(modes_of(i, deterministic)) for i in impls))
     measured = []
     for cell in cells:
-        measured.append(measure_cell(cell, impls, timer, torch, progress))
+        measured.append(measure_cell(cell, impls, timer, torch, progress, deterministic))
         _synchronize(torch)
         import cupy
 
@@ -739,6 +828,10 @@ def main(argv=None) -> int:
             "argv": list(argv) if argv is not None else sys.argv[1:],
             "timing": "triton.testing.do_bench median" if timer.triton else "CUDA events median",
             "flops": "fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd",
+            "deterministic": ("cuflash fwd_bwd_det_*: forward + attention_backward(deterministic=True), "
+                              "timed like fwd_bwd, same FLOPs; fwd_bwd_det_ratio = det / default TFLOPS; "
+                              "fwd_bwd_det_grad_difference = worst relative difference of dq/dk/dv vs default")
+            if deterministic else "not timed (--no-deterministic)",
             "seconds": round(time.perf_counter() - start, 1),
         },
         "implementations": impls,
