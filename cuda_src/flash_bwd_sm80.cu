@@ -447,36 +447,46 @@ __device__ __forceinline__ void dq_step(const Role& r, unsigned s_ds, unsigned s
 //   by columns  when there is one query panel and the head dim has whole 64-column panels per warpgroup;
 //   by keys     otherwise (head dim 64): each warpgroup sums over its share of the keys, and both add
 //               into the same dq_accum elements.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, typename Role>
-__device__ __forceinline__ void wgmma_dq_step(const Role& r, unsigned s_ds, unsigned s_k, float* dq_rows,
-                                              int rows_valid, int head_dim) {
-    constexpr int kGroups = kNWarps / 4;
-    constexpr int kQueryPanels = kBlockM / sm90::kPanelCols;
-    constexpr int kPanels = kHeadDim / sm90::kPanelCols;
-    constexpr bool kSplitQueries = kQueryPanels == kGroups;
-    constexpr bool kSplitColumns = !kSplitQueries && kPanels % kGroups == 0;
+// issue() starts the GEMM as one wgmma batch; add() waits for it (kLaterBatches = the batches issued
+// after it that may stay in flight) and adds the result into dq_accum, so the atomics overlap those.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+struct WgmmaDqStep {
+    static constexpr int kGroups = kNWarps / 4;
+    static constexpr int kQueryPanels = kBlockM / sm90::kPanelCols;
+    static constexpr int kPanels = kHeadDim / sm90::kPanelCols;
+    static constexpr bool kSplitQueries = kQueryPanels == kGroups;
+    static constexpr bool kSplitColumns = !kSplitQueries && kPanels % kGroups == 0;
     static_assert(kSplitQueries || kQueryPanels == 1, "the dQ step takes one query panel or one per warpgroup");
-    constexpr int kCols = kSplitColumns ? kHeadDim / kGroups : kHeadDim;
-    constexpr int kKeys = kSplitQueries || kSplitColumns ? kBlockN : kBlockN / kGroups;
-    const int wg = r.warp / 4;
-    const int query_panel = kSplitQueries ? wg : 0;
-    const int panel0 = kSplitColumns ? wg * (kPanels / kGroups) : 0;
-    const int key_row0 = kSplitQueries || kSplitColumns ? 0 : wg * kKeys;
-    float acc[kCols / 8][4];
-    sm90::gemm_atb<Elem, kKeys, kBlockN, kBlockN>(acc, s_ds, query_panel, s_k, panel0, key_row0, false);
-    sm90::wait<0>();
-    sm90::fence_operand(acc);
-    const int row_lo = query_panel * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
+    static constexpr int kCols = kSplitColumns ? kHeadDim / kGroups : kHeadDim;
+    static constexpr int kKeys = kSplitQueries || kSplitColumns ? kBlockN : kBlockN / kGroups;
+    static constexpr int kNTiles = kCols / 8;
+
+    static __device__ __forceinline__ int query_panel(int warp) { return kSplitQueries ? warp / 4 : 0; }
+    static __device__ __forceinline__ int panel0(int warp) { return kSplitColumns ? warp / 4 * (kPanels / kGroups) : 0; }
+
+    static __device__ __forceinline__ void issue(float (&acc)[kNTiles][4], int warp, unsigned s_ds, unsigned s_k) {
+        const int key_row0 = kSplitQueries || kSplitColumns ? 0 : warp / 4 * kKeys;
+        sm90::gemm_atb<Elem, kKeys, kBlockN, kBlockN>(acc, s_ds, query_panel(warp), s_k, panel0(warp), key_row0, false);
+    }
+
+    template <int kLaterBatches, typename Role>
+    static __device__ __forceinline__ void add(float (&acc)[kNTiles][4], const Role& r, float* dq_rows, int rows_valid,
+                                               int head_dim) {
+        sm90::wait<kLaterBatches>();
+        sm90::fence_operand(acc);
+        const int row_lo = query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
+        const int col0 = panel0(r.warp) * sm90::kPanelCols + 2 * r.t;
 #pragma unroll
-    for (int nt = 0; nt < kCols / 8; ++nt) {
-        const int col = panel0 * sm90::kPanelCols + nt * 8 + 2 * r.t;
-        if (col >= head_dim) continue;
-        if (row_lo < rows_valid) atomic_add_pair(dq_rows + row_lo * kHeadDim + col, acc[nt][0], acc[nt][1]);
-        if (row_lo + 8 < rows_valid) {
-            atomic_add_pair(dq_rows + (row_lo + 8) * kHeadDim + col, acc[nt][2], acc[nt][3]);
+        for (int nt = 0; nt < kNTiles; ++nt) {
+            const int col = col0 + nt * 8;
+            if (col >= head_dim) continue;
+            if (row_lo < rows_valid) atomic_add_pair(dq_rows + row_lo * kHeadDim + col, acc[nt][0], acc[nt][1]);
+            if (row_lo + 8 < rows_valid) {
+                atomic_add_pair(dq_rows + (row_lo + 8) * kHeadDim + col, acc[nt][2], acc[nt][3]);
+            }
         }
     }
-}
+};
 
 // Traps unless the launch gave at least kBytes of dynamic shared memory at a kAlign-byte aligned address
 // (the cursors' XOR addressing relies on 128 bytes, wgmma's 128-byte swizzle on 1024).
@@ -579,6 +589,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     constexpr int kMPerWarp = Traits::kMPerWarp;
     constexpr int kMTiles = kMPerWarp / 8;              // n-tiles of the warp's S^T rows
     constexpr int kDTiles = Traits::kDPerWarp / 8;      // n-tiles of the warp's dK / dV rows
+    using DqStep = WgmmaDqStep<Elem, kHeadDim, kBlockM, kBlockN, kNWarps>;
     // wgmma: warpgroups are whole groups of 16-key warps (kWarpsD = 1), or with kWarpsD = 2 warpgroup
     // d_split owns a contiguous half of the head-dim panels (instead of interleaved 16-column groups).
     static_assert(!kWgmma || (kNWarps % 4 == 0 && kHeadDim % 64 == 0 && kBlockM % 64 == 0 &&
@@ -761,14 +772,21 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
             pack_a<Elem>(p_frag, acc_s);
             pack_a<Elem>(ds_frag, acc_dp);
             if constexpr (kWgmma) {
+                // dQ first (it needs every warp's dS^T), then dV / dK; the dQ atomics overlap dV / dK.
+                float acc_dq[DqStep::kNTiles][4];
+                if constexpr (kAtomicDq) {
+                    store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
+                    sm90::fence_proxy_async();
+                    __syncthreads();   // dS^T of every warp visible to the dQ step's wgmma
+                    DqStep::issue(acc_dq, r.warp, s_ds, s_k);
+                }
                 sm90::fence_operand(acc_dv);
                 sm90::fence_operand(acc_dk);
                 sm90::gemm_rs<Elem, kBlockM / 16, kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
                 sm90::gemm_rs<Elem, kBlockM / 16, kBlockM>(acc_dk, ds_frag, s_q, 0, 0, true);
                 if constexpr (kAtomicDq) {
-                    store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
-                    sm90::fence_proxy_async();
-                    __syncthreads();   // dS^T of every warp visible to the dQ step's wgmma
+                    DqStep::template add<2>(acc_dq, r, params.dq_accum + (bh * seqlen_q + query0) * kHeadDim,
+                                            seqlen_q - query0, params.head_dim);
                 }
             } else {
                 if constexpr (kAtomicDq) store_a_tile<TileP>(s_ds, ds_frag, key_row0, lane);
@@ -789,30 +807,33 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
             if constexpr (kWgmma) sm90::fence_proxy_async();
             __syncthreads();   // P^T (and dS^T) of both query halves visible
             if constexpr (kWgmma) {
-                // Warpgroup d_split: dV, dK of all kBlockN keys x its half of the head-dim panels.
+                // Warpgroup d_split: dV, dK of all kBlockN keys x its half of the head-dim panels, after
+                // dQ, whose atomics overlap them.
                 constexpr int kHalfPanels = kHeadDim / sm90::kPanelCols / 2;
+                float acc_dq[DqStep::kNTiles][4];
+                if constexpr (kAtomicDq) DqStep::issue(acc_dq, r.warp, s_ds, s_k);
                 sm90::fence_operand(acc_dv);
                 sm90::fence_operand(acc_dk);
                 sm90::gemm_ab<Elem, kBlockM, kBlockN, kBlockM>(acc_dv, s_p, 0, s_do, d_split * kHalfPanels, true);
                 sm90::gemm_ab<Elem, kBlockM, kBlockN, kBlockM>(acc_dk, s_ds, 0, s_q, d_split * kHalfPanels, true);
+                if constexpr (kAtomicDq) {
+                    DqStep::template add<2>(acc_dq, r, params.dq_accum + (bh * seqlen_q + query0) * kHeadDim,
+                                            seqlen_q - query0, params.head_dim);
+                }
             } else {
-            gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
-                acc_dv, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, p_rows.at(0, 2 * kk)); }, do_cols);
-            if constexpr (Traits::kShareP) {
-                __syncthreads();   // every warp has read P^T: its buffer now takes dS^T
-                store_c_tile<Elem, TileP>(s_ds, acc_dp, key_row0, q_col0, lane);
-                __syncthreads();
-            }
-            gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
-                acc_dk, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, ds_rows.at(0, 2 * kk)); }, q_cols);
+                gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
+                    acc_dv, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, p_rows.at(0, 2 * kk)); }, do_cols);
+                if constexpr (Traits::kShareP) {
+                    __syncthreads();   // every warp has read P^T: its buffer now takes dS^T
+                    store_c_tile<Elem, TileP>(s_ds, acc_dp, key_row0, q_col0, lane);
+                    __syncthreads();
+                }
+                gemm_ab<Elem, kBlockM / 16, kDTiles, 2 * kWarpsD>(
+                    acc_dk, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, ds_rows.at(0, 2 * kk)); }, q_cols);
             }
         }
 
-        if constexpr (kAtomicDq && kWgmma) {
-            wgmma_dq_step<Elem, kHeadDim, kBlockM, kBlockN, kNWarps>(
-                r, s_ds, s_k, params.dq_accum + (bh * seqlen_q + query0) * kHeadDim, seqlen_q - query0,
-                params.head_dim);
-        } else if constexpr (kAtomicDq) {
+        if constexpr (kAtomicDq && !kWgmma) {
             // dq_accum[query0 + .., :] += dS . K (unscaled), in column parts of at most 32 accumulators.
             constexpr DqWarpLayout kL = Traits::kDq;
             constexpr int kParts = kL.m_tiles * kL.n_tiles * 4 > 32 && kL.n_tiles % 4 == 0 ? 2 : 1;
