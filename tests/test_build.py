@@ -122,7 +122,7 @@ def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
     for r in hot:
         allowed = 0
         if r.variant.name == "cuflash::flash_fwd_kernel":
-            allowed = SPILL_ALLOWANCE.get((arch_number, r.variant.template_args[1], r.variant.template_args[-1]), 0)
+            allowed = SPILL_ALLOWANCE.get((arch_number, r.variant.template_args[1], r.variant.template_args[6]), 0)
         if r.spill_stores + r.spill_loads > allowed:
             over.append((build.render_name(r.variant), r.spill_stores, r.spill_loads, allowed))
     assert not over, over

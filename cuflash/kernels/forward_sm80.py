@@ -1,20 +1,27 @@
 """Plan for the tensor-core forward of ``cuda_src/flash_fwd_sm80.cu`` (fp16 / bf16, sm_80 and later).
 
 One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch. A variant is
-``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal>``; each warp owns
-``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream through
-``kStages`` shared-memory buffers each.
+``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``; each warp
+owns ``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream
+through ``kStages`` shared-memory buffers each.
+
+Two mainloops: ``kWgmma = False`` runs the GEMMs on mma.sync (sm_80 and later: :func:`tile_sm80`);
+``kWgmma = True`` runs them on the warpgroup instructions of sm_90a (:func:`tile_sm90_wgmma`), chosen
+for arch 90 at head-dim buckets 64, 128 and 256. Every other bucket, and every other arch (sm_100
+has no wgmma), keeps mma.sync.
 
 Tile choice (see :func:`tile_sm80`) follows from three budgets per SM:
 
 - registers: 64 K per SM, at most 255 per thread; a 4-warp CTA fits twice per SM, an 8-warp CTA
   (above 128 registers per thread) once, so every choice runs 8 warps per SM. Per thread, the
-  fp32 accumulators of the output rows and of the score tile stay <= 160 (zero spills), except the
-  two sm_90 tiles a measurement chose at 192 (D64 128 x 128, D128 128 x 64; see tile_sm80).
+  fp32 accumulators of the output rows and of the score tile stay <= 160 (zero spills), except two
+  mma.sync tiles of the H100-class table a measurement chose at 192 (D64 128 x 128, D128 128 x 64;
+  see tile_sm80; on arch 90 those buckets now take wgmma, so they serve sm_100-class parts only).
 - shared memory: ``2 * kHeadDim * (kBlockM + 2 * kStages * kBlockN)`` bytes per CTA (Q, then kStages
-  K and V tiles), plus 1 KB the driver reserves per CTA. Per SM / per block: H100 (sm_90) 228 / 227 KB,
-  A100 (sm_80) 164 / 163 KB, sm_86 / sm_89 100 / 99 KB.
-- shared-memory bandwidth: a warp with two m16 tiles uses each ldmatrix'd K / V fragment twice.
+  K and V tiles; the same in either panel layout), plus 1 KB the driver reserves per CTA. Per SM /
+  per block: H100 (sm_90) 228 / 227 KB, A100 (sm_80) 164 / 163 KB, sm_86 / sm_89 100 / 99 KB.
+- shared-memory bandwidth: a warp with two m16 tiles uses each ldmatrix'd K / V fragment twice
+  (mma.sync); a wgmma reads each operand once per warpgroup of four 16-row warps.
 A 2-stage K/V ring (where it still fits the CTAs per SM) lets each copy hide behind a whole step
 of tensor-core work instead of part of one.
 """
@@ -36,9 +43,15 @@ def _cdiv(a: int, b: int) -> int:
 
 #: Register spill (bytes, stores + loads, per ptxas) a variant may show because a measurement chose
 #: its tile over a spill-free one; keyed by (arch, head-dim bucket, causal). Anything above fails
-#: tests/test_build.py. sm_90a D128 128x64x1: 16 / 40 bytes, 10-16% faster than the spill-free
-#: 128x32x2 on an H200 (see tile_sm80). Removing it needs fewer live registers in the kernel.
-SPILL_ALLOWANCE = {(90, 128, False): 16, (90, 128, True): 40}
+#: tests/test_build.py. Empty: the one entry it held (sm_90a D128 mma.sync 128x64x1, 16 / 40 bytes) went
+#: with that variant when sm_90a D128 moved to the wgmma mainloop, which spills nothing.
+SPILL_ALLOWANCE: dict = {}
+
+#: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
+#: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
+#: 1.46-1.95x vs 0.90-1.08x; D64 0.99-1.13x vs 1.06-1.11x (the 128 x 128 wgmma tile loses at S 1k), so
+#: D64 stays on the mma.sync tile until a better wgmma tile is measured.
+WGMMA_BUCKETS = (128, 256)
 
 
 def smem_capacity(arch: int) -> tuple:
@@ -52,12 +65,16 @@ def smem_capacity(arch: int) -> tuple:
 
 def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
-    (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel."""
+    (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel, for both
+    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes)."""
     return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
 
 
 def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
-    """(kBlockM, kBlockN, kNWarps, kStages) for one head-dim bucket on ``arch``.
+    """(kBlockM, kBlockN, kNWarps, kStages) of the mma.sync mainloop for one head-dim bucket on ``arch``.
+
+    On arch 90 the buckets of WGMMA_BUCKETS take :func:`tile_sm90_wgmma` instead; the "big" rows below
+    for those buckets (measured on an H200 when they ran there) now serve sm_100-class parts, untimed.
 
     Register rule behind the unmeasured rows: a thread's fp32 accumulators, acc_o (kMTiles x D/8 x 4)
     plus acc_s (kMTiles x kBlockN/8 x 4), stay <= 160. Above that ptxas fills the rest of the 255 with
@@ -127,18 +144,48 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
     return 128, 32, 8, 1
 
 
+def tile_sm90_wgmma(head_dim_bucket: int) -> tuple:
+    """(kBlockM, kBlockN, kNWarps, kStages) of the wgmma mainloop (arch 90, buckets WGMMA_BUCKETS).
+
+    Two warpgroups (8 warps x 16 rows, kBlockM = 128), one CTA per SM (256 threads above 128 registers):
+    the SM's shared memory, 227 KB per block, is all this CTA's. Each warpgroup issues S = Q.K^T as
+    m64 x kBlockN and O += P.V as m64 x D wgmma's; per thread acc_o is D/2 floats, acc_s kBlockN/2, and
+    P_{j-1} (packed, kBlockN/4 registers) stays live under S_j. The mainloop needs exactly 2 K / V stages
+    (K runs one step ahead of V), and 2 fit at every bucket here. Timed: see WGMMA_BUCKETS; registers per
+    ptxas 13.0 (sm_90a, bf16 and fp16, causal or not), no spills.
+    """
+    if head_dim_bucket == 128:
+        # 128 keys: acc 64 + S 64 + P 32 (193 registers): half the barriers and rescales per FLOP of
+        # 64 keys. Q 32 KB + 2 x (K + V) 128 KB = 160 KB.
+        return 128, 128, 8, 2
+    if head_dim_bucket == 256:
+        # 64 keys: acc 128 + S 32 + P 16 (215 registers); 128 keys would need 128 + 64 + 32 for these
+        # alone. Q 64 KB + 2 x (K + V) 128 KB = 192 KB (3 stages would be 256 KB).
+        return 128, 64, 8, 2
+    raise ValueError(f"no wgmma tile for head-dim bucket {head_dim_bucket}; the mma.sync path serves it")
+
+
+def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
+    """True where the plan picks the sm_90a wgmma mainloop (Hopper only: sm_100 has no wgmma)."""
+    return arch == 90 and head_dim_bucket in WGMMA_BUCKETS
+
+
 def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> KernelVariant:
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
         raise ValueError(f"{head_dim_bucket=} is not one of {HEAD_DIM_BUCKETS}")
-    block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
+    wgmma = uses_wgmma(arch, head_dim_bucket)
+    if wgmma:
+        block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket)
+    else:
+        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
     smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
     _, per_block = smem_capacity(arch)
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
-    args = (dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal))
+    args = (dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal), wgmma)
     return KernelVariant(SOURCE, KERNEL_NAME, args, warps * 32, smem)
 
 
