@@ -48,6 +48,7 @@ import zlib
 import numpy as np
 
 import ml_dtypes
+import pytest
 
 try:
     import cupy
@@ -133,6 +134,45 @@ class Problem:
     @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())
+
+
+class PoisoningAllocator:
+    """A CuPy allocator whose every allocation comes back filled with 0xFF bytes: NaN in fp16, bf16 and
+    fp32. Installed around the GPU tests (:func:`poisoned_allocations`), it poisons what cuflash
+    allocates itself (outputs, lse, the backward's fp32 scratch), so a kernel that leaves any of it
+    unwritten, or reads scratch it did not initialize, shows NaN instead of whatever a fresh
+    allocation happened to hold (fresh device memory is often zero, which hides such bugs).
+
+    The fill is synchronous (memset, then a device synchronize), so it is ordered before any launch
+    on any stream. Allocations made while a stream is being captured into a CUDA graph are not
+    filled (a synchronize would break the capture).
+    """
+
+    FILL = 0xFF
+
+    def __init__(self):
+        self.pool = cupy.cuda.MemoryPool()
+        self.allocations = 0
+
+    def __call__(self, size: int):
+        mem = self.pool.malloc(size)
+        stream = cupy.cuda.get_current_stream()
+        capturing = stream.ptr != 0 and cupy.cuda.runtime.streamIsCapturing(stream.ptr)
+        if size and not capturing:
+            cupy.cuda.runtime.memset(mem.ptr, self.FILL, size)
+            cupy.cuda.runtime.deviceSynchronize()
+            self.allocations += 1
+        return mem
+
+
+@pytest.fixture(scope="module", autouse=True)
+def poisoned_allocations():
+    """Module-scoped (hypothesis refuses function-scoped fixtures): every CuPy allocation in the
+    module's tests, cuflash's own included, starts as NaN. Import it into a test module to use it."""
+    allocator = PoisoningAllocator()
+    with cupy.cuda.using_allocator(allocator):
+        yield allocator
+    allocator.pool.free_all_blocks()
 
 
 def problem_ids(problems) -> list:

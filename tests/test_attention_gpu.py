@@ -26,6 +26,7 @@ cupy = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 import gpu_utils as gu  # noqa: E402
+from gpu_utils import poisoned_allocations  # noqa: E402,F401  (autouse: CuPy allocations start as NaN)
 from gpu_utils import Problem  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -278,7 +279,16 @@ def _slow_writes(stream, dst, src):
 
 @pytest.mark.parametrize("how", ("stream-object", "raw-pointer", "current-stream"))
 def test_non_default_stream(how):
-    """Work is enqueued on the stream given (or CuPy's current one), ordered after earlier work on it."""
+    """Work is enqueued on the stream given (or CuPy's current one), ordered after earlier work on it.
+
+    Runs on CuPy's ordinary pool: the poisoning allocator synchronizes the device on every
+    allocation, which would let the slow writes finish before cuflash launches and hide a
+    misordered launch."""
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        _check_non_default_stream(how)
+
+
+def _check_non_default_stream(how):
     p = Problem("bf16", B=2, Sq=257, Sk=300, H=8, Hkv=2, D=128, causal=True)
     x = gu.make_inputs(p)
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import gpu_utils as gu  # noqa: E402
+from gpu_utils import poisoned_allocations  # noqa: E402,F401  (autouse: CuPy allocations start as NaN)
 from gpu_utils import Problem  # noqa: E402
 
 pytestmark = pytest.mark.gpu

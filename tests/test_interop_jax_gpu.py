@@ -207,3 +207,31 @@ def test_attention_sharded_matches_unsharded():
     np.testing.assert_array_equal(_f64(sharded(qs, ks, vs)), _f64(cfj.attention(q, k, v, causal=True)))
     grads = jax.jit(jax.grad(lambda q: jnp.sum(sharded(q, ks, vs).astype(jnp.float32))))(qs)
     assert grads.shape == q.shape and bool(jnp.all(jnp.isfinite(grads.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_rows_that_see_no_key_in_jit(dtype):
+    """Issue 9's report: B=1, Sq=777, Sk=1, H=Hkv=4, D=24, causal (every row but the last sees no key),
+    inside jit where XLA allocates every output and scratch buffer from memory it reuses. A poisoned
+    step runs first, so the buffers the gradient step gets have held NaN."""
+    q, k, v, w = _inputs(dtype, batch=1, seq_q=777, seq_k=1, heads=4, kv_heads=4, head_dim=24, seed=9)
+
+    @jax.jit
+    def poison(x):  # buffers of the same sizes as the step's, filled with NaN, then freed
+        return [jnp.full(s.shape, jnp.nan, jnp.float32) + x for s in (q, k, v, w, q, k, v)]
+
+    @jax.jit
+    def step(q, k, v, w):
+        def loss(q, k, v):
+            return (cfj.attention(q, k, v, causal=True).astype(jnp.float32) * w.astype(jnp.float32)).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    jax.block_until_ready(poison(jnp.float32(0)))
+    grads = jax.block_until_ready(step(q, k, v, w))
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    ref = reference.attention_backward(_f64(w), q64, k64, v64, causal=True)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        g64 = _f64(g)
+        assert np.isfinite(g64).all(), f"{name} has non-finite entries"
+        assert np.abs(g64 - ref[name]).max() < 1e-2 * (np.abs(ref[name]).max() + 1.0), name
+    assert (_f64(grads[0])[:, :776] == 0).all(), "dq of rows that see no key is not 0"
