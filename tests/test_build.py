@@ -127,6 +127,13 @@ def test_cache_key_is_content_only(tmp_path, monkeypatch):
     assert sources.cuda_headers_hash(copy) != sources.cuda_headers_hash(include)
 
 
+def test_the_test_session_compiles_into_a_temporary_cache():
+    """conftest.py points CUFLASH_CACHE_DIR at a temporary folder unless the user set one."""
+    from pathlib import Path
+
+    assert build.cache_dir() != Path.home() / ".cache" / "cuflash"
+
+
 def test_compile_error_carries_the_log(source_copy):
     (source_copy / "broken.cu").write_text("namespace cuflash { template <int N> __global__ void k() { undefined_name; } }\n")
     with pytest.raises(build.CompileError, match="undefined_name"):
