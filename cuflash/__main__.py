@@ -1,12 +1,15 @@
-"""``python -m cuflash compile [--arch ...]`` and ``python -m cuflash bench [...]``."""
+"""``cuflash compile [--arch ...]`` and ``cuflash bench [...]`` (or ``python -m cuflash ...``)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .compile_cli import program_name
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuflash")
+    prog = program_name()
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="command", required=True)
     compile_parser = sub.add_parser("compile", help="compile every kernel variant with NVRTC (no GPU needed)")
     compile_parser.add_argument("--arch", action="append",
@@ -19,7 +22,7 @@ def main(argv=None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .compile_cli import run_compile
 
-        return run_compile(args.arch, args.workers)
+        return run_compile(args.arch, args.workers, prog=prog)
     from .bench import main as bench_main
 
     return bench_main(rest) or 0

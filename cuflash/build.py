@@ -5,9 +5,10 @@
 - Compiling needs no GPU (``cupy_backends``' NVRTC binding), so ``python -m cuflash compile`` and
   CI build every variant on CPU-only machines.
 - CUBINs are cached on disk under a key that covers the hash of all of ``cuda_src/`` (headers
-  included), the options, the arch, the NVRTC version and the name expression: an edited header
-  can never be served a stale binary. ``CUFLASH_CACHE_DIR`` moves the cache (default
-  ``~/.cache/cuflash``).
+  included), the options, the arch, the NVRTC version, a hash of the CUDA fp16/bf16 headers and the
+  name expression: an edited header can never be served a stale binary. The key holds contents
+  only, no paths, so a new clone or virtual environment reuses the cache. ``CUFLASH_CACHE_DIR``
+  moves the cache (default ``~/.cache/cuflash``).
 - Loaded functions are memoized per (device, variant) behind a lock, so concurrent first calls
   compile once. NVRTC releases the GIL, so :func:`precompile` compiles in parallel threads.
 """
@@ -88,6 +89,8 @@ def _nvrtc():
 class _Toolchain:
     nvrtc_version: tuple
     options: tuple  # everything but -arch
+    key_options: tuple  # options without the -I paths: the cache key holds contents, not locations
+    cuda_headers_hash: str  # what the -I of the CUDA headers contributes, by content
 
 
 _toolchain_lock = threading.Lock()
@@ -112,7 +115,9 @@ def _toolchain() -> _Toolchain:
             f"-DCUFLASH_SRC_HASH=0x{src_hash[:16]}",
             f"-DCUFLASH_PARAMS_BYTES={_params.params_dtype().itemsize}",
         )
-        toolchain = _Toolchain(version, options)
+        key_options = tuple(option for option in options if not option.startswith("-I"))
+        headers = sources.cuda_headers_hash(sources.cuda_include_dir(version[0]))
+        toolchain = _Toolchain(version, options, key_options, headers)
         _toolchain_cache[str(src_dir)] = (src_hash, toolchain)
         return toolchain
 
@@ -150,15 +155,23 @@ class CompileError(RuntimeError):
 compile_count = 0
 
 
+def cache_key(variant: KernelVariant, arch: str) -> str:
+    """The disk-cache key of a variant: contents only (the source hash is in the options as
+    ``-DCUFLASH_SRC_HASH``), never a path, so identical sources anywhere share one binary."""
+    toolchain = _toolchain()
+    return hashlib.sha256(json.dumps([
+        render_name(variant), variant.source, toolchain.key_options + (f"-arch={arch}",),
+        toolchain.nvrtc_version, toolchain.cuda_headers_hash,
+    ]).encode()).hexdigest()[:32]
+
+
 def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     """Compile one variant to a CUBIN (or take it from the disk cache). Needs no GPU."""
     global compile_count
     toolchain = _toolchain()
     name = render_name(variant)
     options = toolchain.options + (f"-arch={arch}",)
-    key = hashlib.sha256(
-        json.dumps([name, variant.source, options, toolchain.nvrtc_version]).encode()
-    ).hexdigest()[:32]
+    key = cache_key(variant, arch)
     directory = cache_dir()
     cubin_path, meta_path = directory / f"{key}.cubin", directory / f"{key}.json"
     if cubin_path.is_file() and meta_path.is_file():

@@ -8,12 +8,20 @@ import time
 from . import build, kernels
 
 
-def run_compile(archs, workers=None) -> int:
+def program_name(argv0: str | None = None) -> str:
+    """How the command line was invoked, for help and messages: ``cuflash`` for the console script
+    (its file name), ``python -m cuflash`` for the module (``sys.argv[0]`` is ``.../__main__.py``)."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    stem = name[:-4] if name.lower().endswith(".exe") else name
+    return stem if stem.startswith("cuflash") else "python -m cuflash"
+
+
+def run_compile(archs, workers=None, prog=None) -> int:
     if not archs:
         try:
             archs = [build.arch_of_compute_capability(build._current_compute_capability())]
         except Exception:
-            print("no GPU found: name the targets, e.g. python -m cuflash compile --arch sm_80 --arch sm_90a",
+            print(f"no GPU found: name the targets, e.g. {prog or program_name()} compile --arch sm_80 --arch sm_90a",
                   file=sys.stderr)
             return 2
     workers = workers or max(1, os.cpu_count() or 1)

@@ -68,3 +68,23 @@ def cuda_include_dir(nvrtc_major: int) -> Path:
         "extra matching your CUDA (pip install 'cuflash[cuda12]' or 'cuflash[cuda13]'), or point "
         "CUFLASH_CUDA_INCLUDE at a CUDA include folder"
     )
+
+
+#: The CUDA headers the kernels include (with the .hpp each pulls in); NVRTC's own built-in
+#: headers are covered by its version.
+_CUDA_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_headers_hash(include_dir: Path) -> str:
+    """SHA-256 over the contents of the CUDA fp16/bf16 headers in ``include_dir`` (names and bytes,
+    not the folder's path): two installs of the same headers hash alike."""
+    digest = hashlib.sha256()
+    for name in _CUDA_HEADERS:
+        path = Path(include_dir) / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(b"\0")
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()

@@ -88,6 +88,52 @@ def test_header_edit_forces_a_rebuild(source_copy):
     assert not rebuilt.cached and rebuilt.cubin_path != first.cubin_path
 
 
+def test_cache_key_is_content_only(tmp_path, monkeypatch):
+    """Two checkouts (or virtual environments) with identical sources share one cache entry, and
+    identical CUDA headers in another folder hash alike: the key holds contents, never paths. An
+    edited header still changes the key."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    dirs = [tmp_path / "clone_a" / "cuda_src", tmp_path / "clone_b" / "cuda_src"]
+    for directory in dirs:
+        shutil.copytree(sources.source_dir(), directory)
+        (directory / "probe.cu").write_text(_probe_source())
+    variant = kernels.all_variants(90)[0]
+
+    def keys(directory):
+        monkeypatch.setenv("CUFLASH_SOURCE_DIR", str(directory))
+        return build.cache_key(variant, "sm_90a"), build.cache_key(PROBE, "sm_80")
+
+    assert keys(dirs[0]) == keys(dirs[1])
+    monkeypatch.setenv("CUFLASH_SOURCE_DIR", str(dirs[0]))
+    first = build.compile_variant(PROBE, "sm_80")
+    monkeypatch.setenv("CUFLASH_SOURCE_DIR", str(dirs[1]))
+    second = build.compile_variant(PROBE, "sm_80")
+    assert second.cached and second.cubin_path == first.cubin_path
+
+    header = dirs[1] / "cuflash" / "mask.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    edited = keys(dirs[1])
+    assert edited[0] != keys(dirs[0])[0] and edited[1] != keys(dirs[0])[1]
+
+    include = sources.cuda_include_dir(build._toolchain().nvrtc_version[0])
+    copy = tmp_path / "include_copy"
+    copy.mkdir()
+    for name in sources._CUDA_HEADERS:
+        if (include / name).is_file():
+            shutil.copy(include / name, copy / name)
+    assert sources.cuda_headers_hash(copy) == sources.cuda_headers_hash(include)
+    (copy / "cuda_bf16.h").write_text((include / "cuda_bf16.h").read_text() + "\n// edited\n")
+    sources.cuda_headers_hash.cache_clear()
+    assert sources.cuda_headers_hash(copy) != sources.cuda_headers_hash(include)
+
+
+def test_the_test_session_compiles_into_a_temporary_cache():
+    """conftest.py points CUFLASH_CACHE_DIR at a temporary folder unless the user set one."""
+    from pathlib import Path
+
+    assert build.cache_dir() != Path.home() / ".cache" / "cuflash"
+
+
 def test_compile_error_carries_the_log(source_copy):
     (source_copy / "broken.cu").write_text("namespace cuflash { template <int N> __global__ void k() { undefined_name; } }\n")
     with pytest.raises(build.CompileError, match="undefined_name"):

@@ -302,8 +302,8 @@ BAD_INPUTS = {
     "bwd-dq-wrong-shape": ("bwd", lambda x, out, lse: {"dq": cupy.empty((B, SQ, H, D + 8), BF16)}, ("dq",)),
     "bwd-dk-wrong-dtype": ("bwd", lambda x, out, lse: {"dk": cupy.empty((B, SK, HKV, D), cupy.float16)}, ("dk",)),
 }
-#: API.md allows a documented slow path instead of an error for misaligned base pointers; then the
-#: result must equal the aligned call's bit for bit.
+#: Misaligned base pointers raise ValueError today (docs/api.md, "Arrays"); a documented slow path would
+#: be allowed instead, and then the result must equal the aligned call's bit for bit.
 MAY_SUCCEED = {"q-misaligned", "v-misaligned", "out-misaligned"}
 
 

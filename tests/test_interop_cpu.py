@@ -65,6 +65,8 @@ def _np(x) -> np.ndarray:
 
             return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return x.numpy()
+    if hasattr(x, "__dlpack_device__"):
+        assert x.__dlpack_device__()[0] == 1, "the NumPy core got a device buffer: pin JAX to the CPU (jax_cpu)"
     return np.asarray(x)
 
 
@@ -184,8 +186,19 @@ def _jax_reference(q, k, v, *, scale=None, causal=False, bias=None):
 
 
 @pytest.fixture
-def jax_core(monkeypatch):
-    pytest.importorskip("jax")
+def jax_cpu():
+    """JAX pinned to its CPU device for the test, whatever the default backend (a GPU where there is
+    one): arrays made in the test and the jitted computations on them then run on the CPU, so the
+    callbacks hand the NumPy core CPU buffers (``np.asarray`` on a GPU buffer raises)."""
+    jax = pytest.importorskip("jax")
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        assert jax.numpy.zeros(()).devices() == {cpu}
+        yield cpu
+
+
+@pytest.fixture
+def jax_core(jax_cpu, monkeypatch):
     import cuflash.interop.jax as cfj
 
     for cache in (cfj._attention_fn, cfj._forward_op, cfj._backward_op):

@@ -1,4 +1,4 @@
-"""Every validation rule of API.md's "Errors" section, on the CPU: each misuse raises a clear error
+"""Every validation rule of docs/api.md's "Errors" section, on the CPU: each misuse raises a clear error
 that names the argument. (tests/test_extremes_gpu.py repeats the table through the public API on a GPU.)"""
 import numpy as np
 import pytest
