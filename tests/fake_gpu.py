@@ -12,7 +12,7 @@ import math
 import cupy
 import numpy as np
 
-from cuflash import build, launch
+from cuflash import arrays, build, launch
 from cuflash.params import params_dtype
 
 
@@ -25,6 +25,11 @@ class FakeStream:
 
     def __exit__(self, *exc):
         return False
+
+
+class FakeExternalStream(FakeStream):
+    def __init__(self, ptr: int, device_id: int = -1):
+        super().__init__(ptr)
 
 
 class FakeFunction:
@@ -92,6 +97,8 @@ class FakeGPU:
         setattr(build, "get_kernel", self.get_kernel)
         setattr(cupy, "empty", self.empty)
         setattr(cupy.cuda, "get_current_stream", lambda *args: self.stream)
+        setattr(cupy.cuda, "ExternalStream", FakeExternalStream)
+        setattr(arrays, "_external_streams", {})
         launch.forward_plan.cache_clear()
         launch.backward_plan.cache_clear()
         return self
