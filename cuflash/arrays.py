@@ -208,7 +208,11 @@ def resolve_stream(stream):
         handle = int(handle)
         cached = _external_streams.get(handle)
         if cached is None:
-            cached = cupy.cuda.ExternalStream(handle)
+            import warnings
+
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cached = cupy.cuda.ExternalStream(handle)
             _external_streams[handle] = cached
         return cached
     raise TypeError(
