@@ -1,10 +1,14 @@
 """Host (Python) time per call of each entry point, against the kernel time of a 1k-token problem.
 
 For each entry point: N back-to-back calls on a tiny problem (B=1, S=128, H=1, D=64: a few µs of GPU
-work, so the wall time per call is the host's), synchronized once at the end. Printed in µs.
+work, so the wall time per call is the host's), synchronized once at the end; the median of REPEATS such
+runs (and the fastest) is printed in µs. The first call of each entry point validates, plans and caches
+a launch plan; the timed calls are cache hits (see cuflash/api.py). ``benchmarks/host_profile_cpu.py``
+profiles the Python part alone on a machine without a GPU.
 
     python benchmarks/host_overhead.py
 """
+import statistics
 import time
 
 import cupy
@@ -14,17 +18,22 @@ import numpy as np
 import cuflash
 
 N = 2000
+REPEATS = 5
 
 
-def per_call_us(fn, sync) -> float:
+def per_call_us(fn, sync) -> tuple:
+    """(median, min) over REPEATS runs of N calls, µs per call."""
     for _ in range(50):
         fn()
     sync()
-    start = time.perf_counter()
-    for _ in range(N):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / N * 1e6
+    runs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(N):
+            fn()
+        sync()
+        runs.append((time.perf_counter() - start) / N * 1e6)
+    return statistics.median(runs), min(runs)
 
 
 def kernel_ms(fn) -> float:
@@ -73,7 +82,7 @@ def main():
         rows.append(("jax   jit(cfj.attention)", per_call_us(run_fwd, lambda: jax.block_until_ready(last["x"]))))
         rows.append(("jax   jit(grad(cfj.attention))", per_call_us(run_grad, lambda: jax.block_until_ready(last["x"]))))
     except ImportError as exc:
-        rows.append((f"jax   (not measured: {exc})", float("nan")))
+        rows.append((f"jax   (not measured: {exc})", (float("nan"),) * 2))
 
     try:
         import torch
@@ -89,13 +98,13 @@ def main():
 
         rows.append(("torch cft.attention + backward", per_call_us(fwd_bwd, torch.cuda.synchronize)))
     except ImportError as exc:
-        rows.append((f"torch (not measured: {exc})", float("nan")))
+        rows.append((f"torch (not measured: {exc})", (float("nan"),) * 2))
 
     big = [cupy.random.standard_normal((1, 1024, 16, 128), dtype=cupy.float32).astype(bf16) for _ in range(3)]
     ref_ms = kernel_ms(lambda: cuflash.attention_forward(*big))
-    print(f"{'entry point':<48} host µs/call")
-    for name, us in rows:
-        print(f"{name:<48} {us:10.1f}")
+    print(f"{'entry point':<48} host µs/call (median of {REPEATS})   min")
+    for name, (median, fastest) in rows:
+        print(f"{name:<48} {median:10.1f} {fastest:26.1f}")
     print(f"kernel time of a 1k-token forward (B=1, S=1024, H=16, D=128, bf16): {ref_ms * 1e3:.1f} µs")
 
 

@@ -1,40 +1,56 @@
-"""The public entry points: validate at the boundary, allocate what the caller did not, launch."""
+"""The public entry points: validate at the boundary, allocate what the caller did not, launch.
+
+Host time. The first call with a given key (every array's type, shape, strides, dtype, device and base
+pointer alignment, plus the options) validates everything, plans and loads its kernels, and stores a
+:class:`~cuflash.launch.CallPlan` under that key; a later call with the same key only reads the arrays'
+pointers, allocates the outputs it must and launches (the ``_hit_*`` functions). A key holds everything
+a check reads, so a cache hit can never skip a check whose outcome could differ.
+"""
 from __future__ import annotations
 
 import contextlib
 
 from . import launch, validation
-from .arrays import describe, dtype_name, require_cuda, resolve_stream
+from .arrays import TensorDesc, array_key, describe, dtype_name, require_cuda, resolve_stream
 from .kernels import ProblemShape
+
+#: At most this many call plans per entry point; past it the cache starts over (a workload with that
+#: many distinct shapes is paying for planning anyway).
+MAX_CACHED_PLANS = 4096
+_forward_plans: dict = {}
+_backward_plans: dict = {}
+_SCRATCH_FIELDS = launch.POINTER_FIELDS[9:13]  # dq_accum, dk_accum, dv_accum, softmax_d
 
 
 def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_stream):
     """Make ``device_id`` current for allocations and launches (a no-op when it already is); with no
-    ``stream=`` given, the work goes on that device's current stream. Returns the stream to use."""
+    ``stream=`` given, the work goes on that device's current stream. Returns ``(stream, switched)``."""
     import cupy
 
-    if cupy.cuda.runtime.getDevice() != device_id:
+    if launch.current_device() != device_id:
         stack.enter_context(cupy.cuda.Device(device_id))
         if given_stream is None:
             stream = cupy.cuda.get_current_stream()
             stack.enter_context(stream)
-    return stream
+        return stream, True
+    return stream, False
 
 
 def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, options, arrays=()):
     """The start every entry point shares: refuse planned options and non-GPU arrays (before touching
     CUDA), make the stream current, describe and validate q/k/v, switch to their device.
-    Returns ``(qd, kd, vd, shape, scale, stream)``."""
+    Returns ``(qd, kd, vd, shape, scale, stream, switched)``."""
     validation.reject_planned(options)
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(arrays):
         require_cuda(x, name)
+    launch.current_device()  # a clear error where there is no usable GPU
     given_stream, stream = stream, resolve_stream(stream)
     stack.enter_context(stream)
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     shape = validation.check_qkv(qd, kd, vd, causal=causal)
     scale = validation.check_scale(scale, shape.head_dim)
-    stream = _enter_device(stack, qd.device, stream, given_stream)
-    return qd, kd, vd, shape, scale, stream
+    stream, switched = _enter_device(stack, qd.device, stream, given_stream)
+    return qd, kd, vd, shape, scale, stream, switched
 
 
 def _buffer(given, name: str, shape: tuple, dtype: str, device: int, *, rows_only=False, fill=None):
@@ -65,9 +81,47 @@ def _has_work(shape: ProblemShape) -> bool:
     return shape.batch * shape.num_heads * shape.seqlen_q > 0
 
 
+def _options_key(scale, causal, deterministic=False) -> tuple:
+    """The options' part of a key: ``scale`` by type and value (``check_scale`` is a function of both),
+    ``causal`` and ``deterministic`` as the bools the slow path makes of them."""
+    return type(scale), scale, bool(causal), bool(deterministic)
+
+
+def _stream_ptr(stream) -> int:
+    """The raw handle of ``stream=`` (resolve_stream's rules, without building a stream object)."""
+    if type(stream) is int:
+        return stream
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return resolve_stream(stream).ptr
+
+
+def _remember(cache: dict, key, plan: launch.CallPlan) -> None:
+    if len(cache) >= MAX_CACHED_PLANS:
+        cache.clear()
+    cache[key] = plan
+
+
+def _allocate(specs, stream) -> list:
+    """CuPy arrays for the ``(shape, dtype)`` specs, from the pool of the launch stream (CuPy's pool is
+    stream-ordered: memory freed after the launch is reused only by work ordered behind it)."""
+    import cupy
+
+    if stream is None:
+        return [cupy.empty(shape, dtype) for shape, dtype in specs]
+    with resolve_stream(stream):
+        return [cupy.empty(shape, dtype) for shape, dtype in specs]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward
+
+
 def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False, out=None, lse=None,
                       stream=None, **options):
-    """Exact attention forward. Returns ``(out, lse)`` as CuPy arrays.
+    """Exact attention forward. Returns ``(out, lse)``: CuPy arrays, or the ``out`` / ``lse`` given.
 
     q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``: any ``__dlpack__`` CUDA arrays
     (float16, bfloat16, float32) whose last dim is contiguous; ``H % Hkv == 0``. ``out`` ``(B, Sq, H, Dv)``
@@ -75,19 +129,54 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     ``lse`` is the natural-log sum of exponentials of the scaled scores, ``-inf`` for a row that sees no
     key (whose output is 0). ``deterministic`` is accepted for symmetry: the forward always is.
     """
+    key = None
+    if not options:
+        try:
+            (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
+            (ko, po), (kl, pl) = array_key(out), array_key(lse)
+            key = (kq, kk, kv, ko, kl, _options_key(scale, causal))
+            plan = _forward_plans.get(key)
+        except Exception:  # an array (or option) the keys cannot read: the validating path names it
+            key = plan = None
+        if plan is not None and launch.current_device() == plan.device:
+            return _hit_forward(plan, [pq, pk, pv, po, pl], out, lse, stream)
+    return _forward(q, k, v, scale, causal, out, lse, stream, options, key)
+
+
+def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream):
+    """A cached forward: allocate what the caller did not give, patch the pointers in, launch.
+    ``pointers``: q, k, v, out, lse (0 where not given)."""
+    if out is None and lse is None:
+        out, lse = _allocate(plan.outputs, stream)
+        pointers[3], pointers[4] = out.data.ptr, lse.data.ptr
+    elif out is None:
+        (out,) = _allocate(plan.outputs[:1], stream)
+        pointers[3] = out.data.ptr
+    elif lse is None:
+        (lse,) = _allocate(plan.outputs[1:], stream)
+        pointers[4] = lse.data.ptr
+    plan.launch(pointers, _stream_ptr(stream))
+    return out, lse
+
+
+def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
+    """The validating forward; stores a CallPlan under ``key`` (when not None) for the next call."""
     with contextlib.ExitStack() as stack:
-        qd, kd, vd, shape, scale, stream = _enter_call(stack, q, k, v, causal=causal, scale=scale,
-                                                       stream=stream, options=options)
+        qd, kd, vd, shape, scale, stream, switched = _enter_call(stack, q, k, v, causal=causal, scale=scale,
+                                                                 stream=stream, options=options)
         no_keys = shape.seqlen_k == 0
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, qd.device,
                         fill=0 if no_keys else None)
         lse_d = _buffer(lse, "lse", validation.lse_shape(shape), "float32", qd.device, rows_only=True,
                         fill=float("-inf") if no_keys else None)
         if _has_work(shape) and not no_keys:
-            plan = launch.forward_plan(shape, qd.device)
-            params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d)
-            launch.run(plan, params, qd.device, stream)
-    return out_d.array, lse_d.array
+            outputs = ((out_d.shape, _np_dtype(shape.dtype)), (lse_d.shape, _np_dtype("float32")))
+            plan = launch.CallPlan(launch.forward_plan(shape, qd.device), qd.device,
+                                   launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d), 5, outputs)
+            plan.launch((qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr), stream.ptr)
+            if key is not None and not switched:
+                _remember(_forward_plans, key, plan)
+    return (out_d.array if out is None else out), (lse_d.array if lse is None else lse)
 
 
 def attention(q, k, v, *, scale=None, causal=False, deterministic=False, return_lse=False, out=None,
@@ -102,10 +191,15 @@ def attention(q, k, v, *, scale=None, causal=False, deterministic=False, return_
     return (out, lse) if return_lse else out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Backward
+
+
 def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal=False,
                        deterministic=False, dq=None, dk=None, dv=None, workspace=None, stream=None,
                        **options):
-    """Gradients of attention. Returns ``(dq, dk, dv)``, each in its input's shape and dtype.
+    """Gradients of attention. Returns ``(dq, dk, dv)``, each in its input's shape and dtype (CuPy
+    arrays, or the ``dq`` / ``dk`` / ``dv`` given).
 
     ``out`` and ``lse`` are :func:`attention_forward`'s results for the same inputs and options.
     ``dlse`` ``(B, H, Sq)`` float32 is the gradient flowing into ``lse`` (ring / context-parallel
@@ -113,8 +207,63 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     ``workspace``: a dict of caller-allocated contiguous float32 buffers with the shapes
     :func:`backward_workspace` returns (frameworks pass their own memory; default: CuPy's pool).
     """
+    key = None
+    if not options:
+        try:
+            keys, pointers = [], []
+            for x in (q, k, v, out, lse, dout, dq, dk, dv, dlse):
+                kx, px = array_key(x)
+                keys.append(kx)
+                pointers.append(px)
+            scratch = None
+            if workspace is not None:
+                scratch = {}
+                for name, buffer in workspace.items():
+                    kx, scratch[name] = array_key(buffer)
+                    keys.append((name, kx))
+            keys.append(_options_key(scale, causal, deterministic))
+            key = (workspace is None, *keys)
+            plan = _backward_plans.get(key)
+        except Exception:  # an array (or option) the keys cannot read: the validating path names it
+            key = plan = None
+        if plan is not None and launch.current_device() == plan.device:
+            return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream)
+    return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
+                     stream, options, key)
+
+
+def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream):
+    """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
+    ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation."""
+    grads = [dq, dk, dv]
+    missing = [i for i, g in enumerate(grads) if g is None]
+    owner = None
+    if missing or (scratch is None and plan.scratch_bytes):
+        specs = [plan.outputs[i] for i in missing]
+        if scratch is None and plan.scratch_bytes:
+            specs.append(((plan.scratch_bytes,), "uint8"))
+        made = _allocate(specs, stream)
+        for i, array in zip(missing, made):
+            grads[i] = array
+            pointers[6 + i] = array.data.ptr
+        if scratch is None and plan.scratch_bytes:
+            owner = made[-1]  # alive until the launches are enqueued (the pool is stream-ordered)
+    if scratch is None:
+        base = 0 if owner is None else owner.data.ptr
+        scratch_pointers = [base + plan.scratch_offsets[i] if i is not None else 0 for i in plan.scratch_slots]
+    else:
+        scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
+                                                                                      plan.scratch_slots)]
+    plan.launch((*pointers[:9], *scratch_pointers, pointers[9]), _stream_ptr(stream))
+    del owner
+    return grads[0], grads[1], grads[2]
+
+
+def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
+              options, key):
+    """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call."""
     with contextlib.ExitStack() as stack:
-        qd, kd, vd, shape, scale, stream = _enter_call(
+        qd, kd, vd, shape, scale, stream, switched = _enter_call(
             stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options,
             arrays=(("dout", dout), ("out", out), ("lse", lse)))
         dev, dtype = qd.device, shape.dtype
@@ -140,9 +289,16 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
             scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
                                         dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch)
-            launch.run(plan, params, dev, stream)
+            np_dtype = _np_dtype(dtype)
+            outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
+            call = launch.CallPlan(plan, dev, params, len(launch.POINTER_FIELDS), outputs)
+            pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
+                        *(scratch.get(field, 0) for field in _SCRATCH_FIELDS), 0 if dlse_d is None else dlse_d.ptr)
+            call.launch(pointers, stream.ptr)
             del owners
-    return dq_d.array, dk_d.array, dv_d.array
+            if key is not None and not switched:
+                _remember(_backward_plans, key, call)
+    return tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
 
 
 def _scratch(plan, workspace, device: int) -> tuple:
@@ -176,26 +332,23 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Metadata-only entry points (shapes and dtypes: tracers, fake tensors, ...)
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _meta_desc(x, name: str) -> TensorDesc:
+    """A description of anything with ``.shape`` and ``.dtype``, laid out as a fresh contiguous array
+    (so that only the checks metadata can answer may fail)."""
+    shape = tuple(int(n) for n in x.shape)
+    dtype = dtype_name(x.dtype)
+    return TensorDesc(name, shape, _contiguous_strides(shape), dtype, _ITEMSIZE.get(dtype, 1), 0, 0)
+
+
 def _shape_from_meta(q, k, v, causal: bool) -> ProblemShape:
-    """A ProblemShape from anything with ``.shape`` and ``.dtype`` (tracers, torch tensors, ...)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if len(t.shape) != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-    b, sq, h, d = (int(x) for x in q.shape)
-    _, sk, hk, _ = (int(x) for x in k.shape)
-    dv = int(v.shape[3])
-    dtype = dtype_name(q.dtype)
-    if dtype not in ("float16", "bfloat16", "float32"):
-        raise TypeError(f"q has dtype {dtype}; cuflash supports float16, bfloat16, float32")
-    if hk < 1 or h % hk:
-        raise ValueError(f"k has {hk} heads, which does not divide q's {h} heads")
-    return ProblemShape(b, sq, sk, h, hk, d, dv, dtype, bool(causal))
-
-
-def _current_device() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDevice()
+    """The problem shape of metadata-only q/k/v, through the same checks as a real call."""
+    return validation.check_qkv(_meta_desc(q, "q"), _meta_desc(k, "k"), _meta_desc(v, "v"), causal=causal)
 
 
 def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None, **options) -> dict:
@@ -208,7 +361,7 @@ def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None
     shape = _shape_from_meta(q, k, v, causal)
     if not _has_work(shape) or shape.seqlen_k == 0:
         return {}
-    return launch.backward_plan(shape, _current_device(), bool(deterministic)).scratch_dict()
+    return launch.backward_plan(shape, launch.current_device(), bool(deterministic)).scratch_dict()
 
 
 def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=None, **options) -> None:
@@ -218,7 +371,7 @@ def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=
 
     validation.reject_planned(options)
     shape = _shape_from_meta(q, k, v, causal)
-    device = _current_device()
+    device = launch.current_device()
     plans = [launch.forward_plan(shape, device)]
     if backward:
         plans.append(launch.backward_plan(shape, device, bool(deterministic)))

@@ -85,7 +85,93 @@ def describe(x, name: str) -> TensorDesc:
     if isinstance(x, cupy.ndarray):
         return describe_cupy(x, name)
     require_cuda(x, name)
+    if _is_torch_tensor(type(x)):
+        return describe_torch(x, name)
     return describe_cupy(cupy.from_dlpack(x), name)
+
+
+def _is_torch_tensor(kind: type) -> bool:
+    return kind.__module__.split(".", 1)[0] == "torch" and hasattr(kind, "data_ptr") and hasattr(kind, "stride")
+
+
+def _numpy_dtype(name: str):
+    return {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32)}.get(name)
+
+
+def describe_torch(t, name: str) -> TensorDesc:
+    """A CUDA tensor read from its own metadata, without DLPack (which refuses tensors that require grad
+    and, on another stream, makes torch record an event). ``array`` is a zero-copy CuPy view of the
+    tensor's memory (the tensor stays its owner), or None for a dtype the kernels do not take."""
+    import cupy
+
+    dtype = dtype_name(t.dtype)
+    itemsize, ptr, device = t.element_size(), t.data_ptr(), t.device.index
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    np_dtype, array = _numpy_dtype(dtype), None
+    if np_dtype is not None and t.numel() > 0 and all(s >= 0 for s in strides):
+        extent = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
+        memory = cupy.cuda.UnownedMemory(ptr, extent, t, device_id=device)
+        array = cupy.ndarray(shape, np_dtype, cupy.cuda.MemoryPointer(memory, 0),
+                             strides=tuple(s * itemsize for s in strides))
+    elif np_dtype is not None and t.numel() == 0:
+        array = cupy.ndarray(shape, np_dtype)  # nothing to read or fill: an empty stand-in
+    return TensorDesc(name=name, shape=shape, strides=strides, dtype=dtype, itemsize=itemsize, ptr=ptr,
+                      device=device, array=array)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cache keys: what validation reads about an array, read as cheaply as its type allows.
+
+
+def array_key(x) -> tuple:
+    """``(key, ptr)`` for a CUDA array: ``key`` holds everything the validation of ``x`` depends on (its
+    type, shape, strides, dtype, device and whether its base pointer is 16-byte aligned), so that two
+    arrays with equal keys pass or fail every check alike; ``ptr`` is its base pointer.
+
+    Raises (anything) for an object it cannot read; callers then take the validating path, which names
+    the problem. ``None`` gives ``(None, 0)``.
+    """
+    if x is None:
+        return None, 0
+    kind = type(x)
+    reader = _key_readers.get(kind)
+    if reader is None:
+        reader = _key_readers[kind] = _key_reader(kind)
+    return reader(x)
+
+
+def _cupy_key(x) -> tuple:
+    data = x.data
+    ptr = data.ptr
+    return ("cupy", x.shape, x.strides, x.dtype, data.device_id, ptr & 15), ptr
+
+
+def _torch_key(x) -> tuple:
+    ptr = x.data_ptr()
+    return (type(x), x.shape, x.stride(), x.dtype, x.device, ptr & 15), ptr
+
+
+def _interface_key(x) -> tuple:
+    """Any ``__cuda_array_interface__`` producer (JAX's buffer_callback buffers, Numba, ...)."""
+    interface = x.__cuda_array_interface__
+    ptr = interface["data"][0]
+    return (type(x), getattr(x, "dtype", None), interface["typestr"], tuple(interface["shape"]),
+            interface.get("strides"), x.__dlpack_device__(), ptr & 15), ptr
+
+
+def _key_reader(kind: type):
+    import cupy
+
+    if kind is cupy.ndarray:
+        return _cupy_key
+    if _is_torch_tensor(kind):
+        return _torch_key
+    if hasattr(kind, "__cuda_array_interface__") and hasattr(kind, "__dlpack_device__"):
+        return _interface_key
+    raise TypeError(f"no cache key for {kind.__name__}")
+
+
+_key_readers: dict = {}
 
 
 def describe_cupy(arr, name: str) -> TensorDesc:
@@ -122,7 +208,11 @@ def resolve_stream(stream):
         handle = int(handle)
         cached = _external_streams.get(handle)
         if cached is None:
-            cached = cupy.cuda.ExternalStream(handle)
+            import warnings
+
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cached = cupy.cuda.ExternalStream(handle)
             _external_streams[handle] = cached
         return cached
     raise TypeError(

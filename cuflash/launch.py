@@ -8,15 +8,41 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import struct
+import threading
 
-from . import build, kernels
-from .arrays import TensorDesc
-from .kernels import Plan, ProblemShape
 import numpy as np
 
+from . import build, kernels
+from .kernels import Plan, ProblemShape
 from .params import params_dtype
 
 _LOG2E = 1.4426950408889634
+
+
+_get_device = None  # cudaGetDevice, once a usable GPU has been found
+
+
+def current_device() -> int:
+    """The current CUDA device, or a clear RuntimeError where there is no usable GPU / driver (instead
+    of CuPy's ``cudaErrorInsufficientDriver`` traceback). The first place a call touches the device."""
+    global _get_device
+    if _get_device is not None:
+        return _get_device()
+    from cupy_backends.cuda.api import runtime
+
+    try:
+        count = runtime.getDeviceCount()
+        device = runtime.getDevice() if count else None
+    except runtime.CUDARuntimeError as exc:
+        raise RuntimeError(
+            f"cuflash found no usable CUDA GPU: the CUDA runtime says {exc}. cuflash needs an NVIDIA GPU "
+            f"(sm_80 or later) and a driver at least as new as the CUDA runtime CuPy was built for"
+        ) from None
+    if device is None:
+        raise RuntimeError("cuflash found no usable CUDA GPU: the CUDA driver reports no devices")
+    _get_device = runtime.getDevice
+    return device
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,3 +117,93 @@ def run(plan: Plan, params, device_id: int, stream) -> None:
 
 def scratch_bytes(plan: Plan) -> int:
     return sum(4 * math.prod(shape) for _, shape in plan.scratch)
+
+
+#: Offsets of scratch buffers carved from one allocation are rounded up to this (CuPy's own granule).
+_SCRATCH_ALIGNMENT = 256
+#: The pointer fields lead AttnParams, in this order (checked against the header by ``_pointer_prefix``).
+POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
+                  "softmax_d", "dlse")
+
+
+@functools.lru_cache(maxsize=None)
+def _pointer_prefix(count: int) -> struct.Struct:
+    """A packer of the first ``count`` pointer fields, which AttnParams lays out back to back from offset 0."""
+    dtype = params_dtype()
+    for i, name in enumerate(POINTER_FIELDS[:count]):
+        if dtype.names[i] != name or dtype.fields[name][1] != 8 * i or dtype[name] != np.uint64:
+            raise AssertionError(f"AttnParams field {i} is not the pointer {name!r} at offset {8 * i}")
+    return struct.Struct(f"<{count}Q")
+
+
+class CallPlan:
+    """Everything a repeated call with one key needs, so that it only patches pointers and launches.
+
+    ``params`` is the AttnParams block of the call that built it (sizes, strides, scale: all fixed by
+    the key); a call writes its pointers (the first ``num_pointers`` fields, in ``POINTER_FIELDS``
+    order) into a per-thread copy and launches each kernel with the function pointer, grid, block and
+    shared memory resolved here once. The driver copies the parameter block at launch, so the copy
+    may be rewritten by the thread's next call.
+
+    ``scratch``: ``((field, shape), ...)`` of the plan, and ``scratch_offsets`` / ``scratch_bytes`` the
+    layout of one CuPy allocation holding all of them (used when the caller gives no workspace).
+    """
+
+    __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
+                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels")
+
+    def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=()):
+        cc = compute_capability(device_id)
+        loaded = [build.get_kernel(item.variant, device_id, cc) for item in plan.launches]
+        self._kernels = tuple(loaded)  # keeps the modules (and so the function pointers) alive
+        self.device = device_id
+        self.launches = tuple(
+            (kernel.function.ptr, *item.grid, item.variant.threads, item.variant.smem_bytes)
+            for kernel, item in zip(loaded, plan.launches)
+        )
+        self.params = params.tobytes()
+        self.num_pointers = num_pointers
+        self._pack = _pointer_prefix(num_pointers).pack_into
+        self._buffers = {}
+        self.scratch = tuple(plan.scratch)
+        offsets, total = [], 0
+        for _, shape in plan.scratch:
+            offsets.append(total)
+            total += -(-4 * math.prod(shape) // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
+        self.scratch_offsets, self.scratch_bytes = tuple(offsets), total
+        fields = [field for field, _ in plan.scratch]
+        # Per scratch pointer field (dq_accum, dk_accum, dv_accum, softmax_d): its index in plan.scratch,
+        # or None where this plan leaves it null.
+        self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in POINTER_FIELDS[9:13])
+        self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
+
+    def params_bytes(self, pointers) -> bytes:
+        """The parameter block a call with these pointers launches with (for tests and debugging)."""
+        block = bytearray(self.params)
+        self._pack(block, 0, *pointers)
+        return bytes(block)
+
+    def _thread_buffer(self):
+        ident = threading.get_ident()
+        entry = self._buffers.get(ident)
+        if entry is None:
+            block = ctypes.create_string_buffer(self.params, len(self.params))
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(block))
+            entry = self._buffers[ident] = (block, ctypes.addressof(argv), argv)
+        return entry
+
+    def launch(self, pointers, stream_ptr: int) -> None:
+        """Write ``pointers`` into the parameter block and launch every kernel on ``stream_ptr``."""
+        block, argv_address, _ = self._thread_buffer()
+        self._pack(block, 0, *pointers)
+        for function, gx, gy, gz, threads, smem in self.launches:
+            _launch_kernel(function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
+
+
+def _launch_kernel(*args):
+    """``cuLaunchKernel`` (resolved on first use, so importing cuflash needs no CUDA)."""
+    global _launch_kernel
+    from cupy_backends.cuda.api import driver
+
+    _launch_kernel = driver.launchKernel
+    return driver.launchKernel(*args)

@@ -320,6 +320,9 @@ def _backward_callback(options, ctx, outputs, dout, q, k, v, out, lse, dlse, arr
 
 
 def _launch(core_fn, ctx, *args, **kwargs):
+    """Call the core on XLA's stream with XLA's buffers. The core keys its cached launch plans on the
+    buffers' shapes, dtypes and pointer alignment, so from the second execution on a callback only reads
+    pointers, patches them into a pre-packed parameter block and launches."""
     device_type, device_id = args[0].__dlpack_device__()  # every array shares one device
     if device_type != _DLPACK_CUDA:
         core_fn(*args, **kwargs)  # JAX on the CPU: the core names the problem
@@ -327,7 +330,9 @@ def _launch(core_fn, ctx, *args, **kwargs):
     stream_ptr = ctx.stream
     if callable(stream_ptr):  # a method before jax 0.7
         stream_ptr = stream_ptr()
+    if cupy.cuda.runtime.getDevice() == device_id:
+        core_fn(*args, stream=stream_ptr, **kwargs)
+        return
     with cupy.cuda.Device(device_id):
         with _cupy_stream(device_id, stream_ptr):
             core_fn(*args, stream=stream_ptr, **kwargs)
-

@@ -12,7 +12,9 @@ formula calls ``torch.ops.cuflash.attention_bwd``. Both are ``torch.library.cust
 (meta) implementations, so autograd, ``torch.compile(fullgraph=True)`` and ``torch.library.opcheck`` see
 ordinary ops. Inside, torch allocates every output and the backward's scratch (``torch.empty``, the caching
 allocator, a CUDA graph's private pool during capture) and cuflash launches on torch's current stream of the
-tensors' device, reading the tensors' own memory through DLPack: no copy, no host sync, no CuPy allocation.
+tensors' device, reading the tensors' pointers, shapes and strides directly: no copy, no DLPack, no host
+sync, no CuPy allocation. After the first call with given shapes, strides, dtypes and options, a call only
+patches pointers into a cached parameter block and launches (see ``cuflash.api``).
 
 CUDA graphs: run the step once (on a side stream, as ``torch.cuda.graphs`` recommends) before capturing it:
 that compiles and loads the kernels and caches the per-shape workspace sizes, so the captured call only
@@ -65,6 +67,8 @@ _TENSOR_SLOTS = tuple(i for i, (_, kind, _) in enumerate(_OPTIONS) if kind == "T
 # Tensor options with a gradient: when given, attention_bwd returns it after dq, dk, dv, in this order.
 _DIFFERENTIABLE = ("bias",)
 
+_DEFAULT_OP_OPTIONS = tuple(_DEFAULTS[name] for name in _OPTION_NAMES)
+
 _OPTION_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in _OPTIONS)
 
 
@@ -88,6 +92,8 @@ def attention(q, k, v, *, return_lse: bool = False, **options):
 
 def _op_options(options: dict) -> tuple:
     """``cuflash.attention``'s keyword options -> the ops' option arguments, in schema order."""
+    if not options:
+        return _DEFAULT_OP_OPTIONS
     values = dict(_DEFAULTS)
     for name, value in options.items():
         if name in _PAIRS:
@@ -240,10 +246,13 @@ _WORKSPACE_SHAPES: dict = {}
 
 def _workspace_shapes(q, k, v, op_options, options) -> dict:
     """``cuflash.backward_workspace`` for these shapes and options, computed once per key."""
-    key = (
-        q.shape, k.shape, v.shape, q.dtype, q.device,
-        tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options),
-    )
+    if not any(isinstance(x, torch.Tensor) for x in op_options):
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device, op_options)
+    else:
+        key = (
+            q.shape, k.shape, v.shape, q.dtype, q.device,
+            tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options),
+        )
     shapes = _WORKSPACE_SHAPES.get(key)
     if shapes is None:
         if q.device.type == "cuda":
@@ -255,43 +264,34 @@ def _workspace_shapes(q, k, v, op_options, options) -> dict:
     return shapes
 
 
-def _cupy_dtypes() -> dict:
-    import ml_dtypes
-    import numpy
-
-    return {torch.float16: numpy.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: numpy.float32}
-
-
-def _as_cupy(t):
-    """A zero-copy CuPy view of a CUDA tensor's own memory (the tensor stays its owner).
-
-    Unlike a DLPack hand-off, this makes torch record no event: cuflash launches on torch's current
-    stream, so there is nothing to order. Anything else (CPU tensors, other dtypes, empty tensors)
-    is passed on unchanged for the core to accept or name in its error.
-    """
-    if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.numel() == 0:
-        return t
-    dtype = _cupy_dtypes().get(t.dtype)
-    if dtype is None:
-        return t
-    itemsize = t.element_size()
-    extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * itemsize
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), extent, t, device_id=t.device.index)
-    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
-                        strides=tuple(s * itemsize for s in t.stride()))
-
-
 def _launch(core_fn, *args, **kwargs):
+    """Call the core on torch's current stream of the tensors' device, handing it the tensors themselves:
+    the core reads their pointers, shapes and strides directly (no DLPack, no CuPy views), and a call
+    whose shapes, strides, dtypes and options it has seen before only patches pointers and launches."""
     device = args[0].device  # every tensor shares one device; the core checks
-    # DLPack refuses tensors that require grad; detach() is a view: same memory, same pointer.
-    args = [a.detach() if a.requires_grad else a for a in args]
-    kwargs = {n: a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for n, a in kwargs.items()}
-    if device.type != "cuda":
-        core_fn(*args, **kwargs)  # the core names the problem
+    if device.type != "cuda":  # the core names the problem (tests hand a NumPy core CPU tensors)
+        args = [a.detach() if a.requires_grad else a for a in args]
+        kwargs = {n: a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a
+                  for n, a in kwargs.items()}
+        core_fn(*args, **kwargs)
         return
-    stream_ptr = torch.cuda.current_stream(device).cuda_stream
-    args = [_as_cupy(a) for a in args]
-    kwargs = {n: ({k: _as_cupy(t) for k, t in a.items()} if isinstance(a, dict) else _as_cupy(a))
-              for n, a in kwargs.items()}
-    with torch.cuda.device(device.index), cupy.cuda.Device(device.index), _cupy_stream(device.index, stream_ptr):
+    index = device.index
+    stream_ptr = _raw_stream(index)
+    if _current_device() == index:
         core_fn(*args, stream=stream_ptr, **kwargs)
+        return
+    with torch.cuda.device(index), cupy.cuda.Device(index), _cupy_stream(index, stream_ptr):
+        core_fn(*args, stream=stream_ptr, **kwargs)
+
+
+def _raw_stream(index: int) -> int:
+    """torch's current ``cudaStream_t`` on device ``index`` as an int (what inductor's code reads)."""
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811 (no Stream object per call)
+
+
+def _current_device() -> int:
+    return cupy.cuda.runtime.getDevice()

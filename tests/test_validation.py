@@ -168,3 +168,55 @@ def test_workspace_shapes_come_from_metadata_only():
     with pytest.raises(TypeError, match="q has dtype float64"):
         cuflash.backward_workspace(Meta((1, 8, 8, 64), "float64"), Meta((1, 8, 8, 64), "float64"),
                                    Meta((1, 8, 8, 64), "float64"))
+
+
+class _Meta:
+    """Metadata only, like a tracer or a fake tensor."""
+
+    def __init__(self, shape, dtype="bfloat16"):
+        import ml_dtypes
+
+        self.shape = shape
+        self.dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+BAD_META = [
+    ("head dim not multiple of 8", ((1, 8, 8, 12), (1, 8, 8, 12), (1, 8, 8, 12)), "q has head dim 12"),
+    ("head dim too large", ((1, 8, 8, 264), (1, 8, 8, 264), (1, 8, 8, 264)), "q has head dim 264"),
+    ("k head dim differs", ((1, 8, 8, 64), (1, 8, 8, 72), (1, 8, 8, 64)), "k has head dim 72 but q has 64"),
+    ("Dv unsupported", ((1, 8, 8, 64), (1, 8, 8, 64), (1, 8, 8, 20)), r"v has head dim \(Dv\) 20"),
+    ("k/v keys differ", ((1, 8, 8, 64), (1, 9, 8, 64), (1, 8, 8, 64)), "v has 8 keys but k has 9"),
+    ("wrong ndim", ((1, 8, 64), (1, 8, 8, 64), (1, 8, 8, 64)), "q must have 4 dimensions"),
+]
+
+
+@pytest.mark.parametrize("entry", ["backward_workspace", "prepare"])
+@pytest.mark.parametrize("case,shapes,message", BAD_META, ids=[c[0] for c in BAD_META])
+def test_metadata_entry_points_check_like_a_call(entry, case, shapes, message):
+    """backward_workspace / prepare run check_qkv on a metadata-only description: the same errors as a
+    call, raised before any device is touched (so on the CPU too)."""
+    with pytest.raises(ValueError, match=message):
+        getattr(cuflash, entry)(*(_Meta(s) for s in shapes))
+
+
+def test_no_usable_gpu_is_a_clear_runtime_error(monkeypatch):
+    from cupy_backends.cuda.api import runtime
+
+    from cuflash import launch
+
+    def no_driver():
+        raise runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(launch, "_get_device", None)
+    monkeypatch.setattr(runtime, "getDeviceCount", no_driver)
+    meta = [_Meta((1, 8, 8, 64)) for _ in range(3)]
+    calls = [lambda: cuflash.backward_workspace(*meta), lambda: cuflash.prepare(*meta)]
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(1 << 20, 1 << 16, None, device_id=0)  # CuPy builds it without CUDA
+    q = cupy.ndarray((1, 8, 8, 64), np.float16, cupy.cuda.MemoryPointer(memory, 0))
+    calls.append(lambda: cuflash.attention(q, q, q))
+    for call in calls:
+        with pytest.raises(RuntimeError, match="no usable CUDA GPU") as caught:
+            call()
+        assert caught.type is RuntimeError  # not CuPy's CUDARuntimeError traceback

@@ -1,0 +1,201 @@
+"""The cached launch plans of the core (cuflash.api / cuflash.launch.CallPlan), on the CPU.
+
+``fake_gpu.FakeGPU`` stands in for the device: CuPy arrays over made-up addresses, a recording
+cuLaunchKernel that copies each parameter block. A repeated call must skip validation and planning,
+launch the same kernels with byte-identical parameters (pointers aside) as a validating call on the same
+arrays, and any change a check could see must miss the cache and be checked again.
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import cuflash  # noqa: E402
+from cuflash import api, launch, validation  # noqa: E402
+from cuflash.arrays import describe  # noqa: E402
+
+from fake_gpu import FakeGPU, pointers_of  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+    return FakeGPU().install(monkeypatch.setattr)
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """Counts calls of validation.check_qkv (the first thing the validating path does after describing)."""
+    count = {"check_qkv": 0}
+    original = validation.check_qkv
+
+    def counting(*args, **kwargs):
+        count["check_qkv"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "check_qkv", counting)
+    return count
+
+
+def qkv(gpu, b=2, sq=33, sk=47, h=4, hk=2, d=64, dtype=BF16):
+    return (gpu.array((b, sq, h, d), dtype), gpu.array((b, sk, hk, d), dtype), gpu.array((b, sk, hk, d), dtype))
+
+
+def expected_forward_params(q, k, v, out, lse, *, scale=None, causal=False) -> bytes:
+    """The parameter block the validating path packs for these arrays (launch.make_params)."""
+    qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
+    shape = validation.check_qkv(qd, kd, vd, causal=causal)
+    params = launch.make_params(shape, validation.check_scale(scale, shape.head_dim), qd, kd, vd,
+                                describe(out, "out"), describe(lse, "lse"))
+    return params.tobytes()
+
+
+def test_second_call_skips_validation_and_launches_the_same(gpu, checks):
+    q, k, v = qkv(gpu)
+    out1, lse1 = cuflash.attention_forward(q, k, v, causal=True)
+    assert checks["check_qkv"] == 1 and len(gpu.launches) == 1
+    q2, k2, v2 = qkv(gpu)  # same key, other memory
+    out2, lse2 = cuflash.attention_forward(q2, k2, v2, causal=True)
+    assert checks["check_qkv"] == 1, "a cache hit validated again"
+    assert len(gpu.launches) == 2
+    first, second = gpu.launches
+    assert first[:5] == second[:5]  # function, grid, block, smem, stream
+    assert second[5] == expected_forward_params(q2, k2, v2, out2, lse2, causal=True)
+    assert first[5] == expected_forward_params(q, k, v, out1, lse1, causal=True)
+    assert (out2.shape, out2.dtype, lse2.shape, lse2.dtype) == ((2, 33, 4, 64), np.dtype(BF16), (2, 4, 33), np.float32)
+    assert pointers_of(second[5])["o"] == out2.data.ptr != out1.data.ptr
+
+
+def test_given_outputs_are_written_and_returned(gpu, checks):
+    q, k, v = qkv(gpu)
+    out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    for _ in range(3):
+        o, row_lse = cuflash.attention_forward(q, k, v, out=out, lse=lse, scale=0.3, stream=0x1234)
+        assert o is out and row_lse is lse
+    assert checks["check_qkv"] == 1
+    assert [launch[4] for launch in gpu.launches] == [0x1234] * 3
+    assert all(launch[5] == expected_forward_params(q, k, v, out, lse, scale=0.3) for launch in gpu.launches)
+
+
+@pytest.mark.parametrize("change", ["scale", "causal", "dtype", "stride", "shape", "out given"])
+def test_a_different_key_is_validated_again(gpu, checks, change):
+    q, k, v = qkv(gpu)
+    cuflash.attention_forward(q, k, v)
+    options = {}
+    if change == "scale":
+        options["scale"] = 0.5
+    elif change == "causal":
+        options["causal"] = True
+    elif change == "dtype":
+        q, k, v = qkv(gpu, dtype=np.float16)
+    elif change == "stride":  # (B, H, S, D) memory viewed as bshd
+        q = gpu.array((2, 33, 4, 64), BF16, strides=(4 * 33 * 64, 64, 33 * 64, 1))
+    elif change == "shape":
+        q, k, v = qkv(gpu, sq=34)
+    elif change == "out given":
+        options["out"] = gpu.array((2, 33, 4, 64), BF16)
+    cuflash.attention_forward(q, k, v, **options)
+    assert checks["check_qkv"] == 2
+    cuflash.attention_forward(q, k, v, **options)
+    assert checks["check_qkv"] == 2  # and now that key is cached too
+
+
+def test_misaligned_pointer_is_refused_after_an_aligned_call_was_cached(gpu):
+    q, k, v = qkv(gpu)
+    cuflash.attention_forward(q, k, v)
+    cuflash.attention_forward(q, k, v)
+    odd = gpu.array((2, 33, 4, 64), BF16, offset_bytes=8)  # same shape, strides, dtype; address % 16 = 8
+    for _ in range(2):
+        with pytest.raises(ValueError, match="q's base pointer is not 16-byte aligned"):
+            cuflash.attention_forward(odd, k, v)
+    out_odd = gpu.array((2, 33, 4, 64), BF16, offset_bytes=2)
+    with pytest.raises(ValueError, match="out's base pointer"):
+        cuflash.attention_forward(q, k, v, out=out_odd)
+
+
+def test_cpu_arrays_and_bad_arguments_still_refused_after_caching(gpu):
+    q, k, v = qkv(gpu)
+    cuflash.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="q is on the CPU"):
+        cuflash.attention_forward(np.zeros((2, 33, 4, 64), np.float32), k, v)
+    with pytest.raises(TypeError, match="stream must be"):
+        cuflash.attention_forward(q, k, v, stream="default")
+    with pytest.raises(TypeError, match="scale must be a number"):
+        cuflash.attention_forward(q, k, v, scale=[1.0])
+    with pytest.raises(NotImplementedError, match="softcap= is not implemented"):
+        cuflash.attention_forward(q, k, v, softcap=30.0)
+
+
+def test_backward_hit_matches_the_validating_path(gpu, checks):
+    q, k, v = qkv(gpu)
+    out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    dout = gpu.array((2, 33, 4, 64), BF16)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    first = list(gpu.launches)
+    gpu.launches.clear()
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert checks["check_qkv"] == 1
+    assert [l[:5] for l in gpu.launches] == [l[:5] for l in first]
+    assert len({l[5] for l in gpu.launches}) == 1  # every kernel of one call gets one parameter block
+    block, before = gpu.launches[0][5], first[0][5]
+    pointers = pointers_of(block)
+    assert (pointers["dq"], pointers["dk"], pointers["dv"]) == (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+    assert pointers["dlse"] == 0
+    assert block[8 * len(launch.POINTER_FIELDS):] == before[8 * len(launch.POINTER_FIELDS):]
+    # Scratch carved from one allocation: each buffer at its own 256-byte-aligned offset, none overlapping.
+    plan = launch.backward_plan(validation.check_qkv(describe(q, "q"), describe(k, "k"), describe(v, "v"),
+                                                     causal=True), 0, False)
+    spans = sorted((pointers[field], 4 * int(np.prod(shape))) for field, shape in plan.scratch)
+    assert all(start % 256 == 0 for start, _ in spans)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    unused = set(launch.POINTER_FIELDS[9:13]) - {field for field, _ in plan.scratch}
+    assert all(pointers[field] == 0 for field in unused)
+
+
+def test_backward_with_workspace_and_dlse(gpu, checks):
+    q, k, v = qkv(gpu)
+    out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    dout, dlse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    shapes = cuflash.backward_workspace(q, k, v)
+    workspace = {name: gpu.array(shape, np.float32) for name, shape in shapes.items()}
+    grads = [gpu.array(x.shape, BF16) for x in (q, k, v)]
+    checks["check_qkv"] = 0  # backward_workspace checked the metadata
+    for _ in range(2):
+        result = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, dq=grads[0], dk=grads[1],
+                                            dv=grads[2], workspace=workspace)
+        assert all(r is g for r, g in zip(result, grads))
+    assert checks["check_qkv"] == 1
+    n = len(gpu.launches) // 2
+    assert gpu.launches[:n] == gpu.launches[n:]  # same arrays: byte-identical launches
+    pointers = pointers_of(gpu.launches[-1][5])
+    assert pointers["dlse"] == dlse.data.ptr
+    assert {field: pointers[field] for field in shapes} == {f: w.data.ptr for f, w in workspace.items()}
+    # A workspace buffer of the wrong shape is a new key: validated and refused.
+    name = next(iter(shapes))
+    bad = dict(workspace, **{name: gpu.array((1,) + tuple(shapes[name]), np.float32)})
+    with pytest.raises(ValueError, match=f"workspace\\['{name}'\\] must have shape"):
+        cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, workspace=bad)
+
+
+def test_call_plan_params_bytes_equal_make_params(gpu):
+    """CallPlan.params_bytes (pointers patched into the cached block) == make_params on other arrays."""
+    q, k, v = qkv(gpu)
+    out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    descs = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    shape = validation.check_qkv(*descs[:3], causal=False)
+    plan = launch.CallPlan(launch.forward_plan(shape, 0), 0, launch.make_params(shape, 0.125, *descs), 5)
+    others = [gpu.array(x.shape, x.dtype) for x in (q, k, v, out, lse)]
+    other_descs = [describe(x, n) for x, n in zip(others, ("q", "k", "v", "out", "lse"))]
+    assert plan.params_bytes([d.ptr for d in other_descs]) == \
+        launch.make_params(shape, 0.125, *other_descs).tobytes()
+
+
+def test_plan_cache_is_bounded(gpu, monkeypatch):
+    monkeypatch.setattr(api, "MAX_CACHED_PLANS", 3)
+    for sq in range(1, 8):
+        cuflash.attention_forward(*qkv(gpu, sq=sq))
+    assert 1 <= len(api._forward_plans) <= 3
