@@ -382,7 +382,7 @@ def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
-    """Packed variable-length attention (API.md). Not implemented in this version yet."""
+    """Packed variable-length attention (docs/api.md). Not implemented in this version yet."""
     raise NotImplementedError("varlen_attention is planned but not implemented in this version of cuflash; "
                               "cuflash.reference.varlen_attention_forward is the float64 reference")
 

@@ -1,4 +1,4 @@
-"""Every rule of API.md's "Errors" section, checked on :class:`~cuflash.arrays.TensorDesc` before any
+"""Every rule of docs/api.md's "Errors" section, checked on :class:`~cuflash.arrays.TensorDesc` before any
 launch. Messages name the argument, what was expected and what came.
 
 Works on descriptions only (no GPU needed), so CPU tests exercise every rule.
@@ -14,13 +14,13 @@ from .kernels import MAX_HEAD_DIM, ProblemShape
 LOAD_ALIGNMENT_BYTES = 16
 #: Grid y (heads) and z (batch) are limited to 65535 blocks.
 MAX_GRID_YZ = 65535
-#: Options API.md promises that are not implemented yet; passing one raises NotImplementedError.
+#: Options docs/api.md promises that are not implemented yet; passing one raises NotImplementedError.
 PLANNED_OPTIONS = ("window", "softcap", "mask", "bias", "alibi_slopes", "segment_ids", "block_ids",
                    "dropout_p", "seed")
 
 
 def reject_planned(options: dict) -> None:
-    """Raise for an option API.md specifies but this build does not implement yet (never ignore it)."""
+    """Raise for an option docs/api.md specifies but this build does not implement yet (never ignore it)."""
     defaults = {"window": (None, None), "dropout_p": 0.0}
     for name in PLANNED_OPTIONS:
         value = options.get(name, defaults.get(name))
