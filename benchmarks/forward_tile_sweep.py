@@ -27,8 +27,8 @@ TILES = {
 
 def variant(head_dim: int, tile: tuple, causal: bool) -> KernelVariant:
     block_m, block_n, warps, stages = tile
-    return KernelVariant(fwd.SOURCE, fwd.KERNEL_NAME, ("bfloat16", head_dim, block_m, block_n, warps, stages, causal),
-                         warps * 32, fwd.smem_bytes(head_dim, block_m, block_n, stages))
+    config = fwd.FwdConfig("bfloat16", head_dim, block_m, block_n, warps, stages, causal, wgmma=False)
+    return KernelVariant(fwd.SOURCE, fwd.KERNEL_NAME, config, warps * 32, fwd.smem_bytes(head_dim, block_m, block_n, stages))
 
 
 def median_ms(fn, reps: int = 30) -> float:

@@ -35,9 +35,18 @@ _CPP_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float
 
 
 def render_name(variant: KernelVariant) -> str:
-    """The name expression of a variant, e.g. ``cuflash::flash_fwd_kernel<__nv_bfloat16, 128, ...>``."""
+    """The name expression of a variant, e.g. ``cuflash::flash_fwd_kernel<__nv_bfloat16, 128, ...>``.
+
+    The template-argument list is ``variant.config``'s fields in declaration order (the config
+    dataclasses document the kernel signature they mirror): dtype names as ``__half`` /
+    ``__nv_bfloat16`` / ``float``, bools as ``true`` / ``false``, ints as decimals.
+    """
+    config = variant.config
+    if not (dataclasses.is_dataclass(config) and not isinstance(config, type)):
+        raise TypeError(f"{variant.name}: config must be a config dataclass instance; got {config!r}")
     rendered = []
-    for arg in variant.template_args:
+    for field in dataclasses.fields(config):
+        arg = getattr(config, field.name)
         if isinstance(arg, bool):
             rendered.append("true" if arg else "false")
         elif isinstance(arg, int):
@@ -45,7 +54,7 @@ def render_name(variant: KernelVariant) -> str:
         elif isinstance(arg, str) and arg in _CPP_TYPE:
             rendered.append(_CPP_TYPE[arg])
         else:
-            raise TypeError(f"cannot render template argument {arg!r} of {variant.name}")
+            raise TypeError(f"cannot render template argument {field.name}={arg!r} of {variant.name}")
     return f"{variant.name}<{', '.join(rendered)}>"
 
 

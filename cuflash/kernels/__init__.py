@@ -49,11 +49,19 @@ class ProblemShape:
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One compiled kernel: a template instantiation in one source file."""
+    """One compiled kernel: a template instantiation in one source file.
+
+    ``config`` is the kernel family's frozen config dataclass (``FwdConfig``, ``DkdvConfig``, ``DqConfig``,
+    ``SmallConfig``, ``SimtConfig``, ``SimtSmallConfig``): its fields, in declaration order, ARE the
+    kernel's template arguments, and ``cuflash.build.render_name`` spells them. Plans read tiles from it
+    by name (``variant.config.block_m``). ``smem_bytes`` is the plan's formula of the config; every
+    compile passes it as ``-DCUFLASH_EXPECTED_SMEM_BYTES`` and the kernel's ``CUFLASH_CHECK_SMEM_BYTES``
+    static_assert compares it with the layout's own size, so a drifted formula fails the build.
+    """
 
     source: str  # file under cuda_src/, e.g. "flash_fwd_sm80.cu"
     name: str  # qualified template name, e.g. "cuflash::flash_fwd_kernel"
-    template_args: tuple  # dtype names (str), ints and bools, rendered by cuflash.build.render_name
+    config: object  # frozen dataclass of dtype names (str), ints and bools: the template arguments in order
     threads: int  # threads per block
     smem_bytes: int  # dynamic shared memory per block
 
