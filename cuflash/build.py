@@ -164,7 +164,7 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     global compile_count
     toolchain = _toolchain()
     name = render_name(variant)
-    options = toolchain.options + (f"-arch={arch}",)
+    options = toolchain.options + (f"-arch={arch}", f"-DCUFLASH_EXPECTED_SMEM_BYTES={variant.smem_bytes}")
     key = hashlib.sha256(
         json.dumps([name, variant.source, options, toolchain.nvrtc_version]).encode()
     ).hexdigest()[:32]

@@ -138,6 +138,21 @@ def test_compile_error_carries_the_log(source_copy):
         build.compile_variant(KernelVariant("broken.cu", "cuflash::k", OneInt(1), 32, 0), "sm_80")
 
 
+def test_smem_formula_drift_fails_the_build(source_copy):
+    """build passes the plan's smem_bytes as CUFLASH_EXPECTED_SMEM_BYTES; a kernel's
+    CUFLASH_CHECK_SMEM_BYTES(kSmemBytes) static_asserts it (params.cuh), so drift fails on the CPU."""
+    (source_copy / "smem_probe.cu").write_text(
+        '#include "cuflash/params.cuh"\n'
+        "namespace cuflash { template <int kBytes> __global__ void smem_probe_kernel(const AttnParams p) {\n"
+        "  constexpr int kSmemBytes = 2 * kBytes;\n"
+        "  CUFLASH_CHECK_SMEM_BYTES(kSmemBytes);\n"
+        "} }\n")
+    build.compile_variant(KernelVariant("smem_probe.cu", "cuflash::smem_probe_kernel", OneInt(100), 32, 200), "sm_80")
+    with pytest.raises(build.CompileError, match="kSmemBytes differs from the plan's smem_bytes"):
+        build.compile_variant(KernelVariant("smem_probe.cu", "cuflash::smem_probe_kernel", OneInt(100), 32, 192),
+                              "sm_80")
+
+
 def test_every_variant_has_a_sane_launch_shape():
     for arch in (80, 86, 89, 90):
         variants = kernels.all_variants(arch)
