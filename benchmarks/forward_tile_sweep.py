@@ -1,6 +1,6 @@
 """Forward tile sweep: times alternative (kBlockM, kBlockN, warps, stages) per head dim on this GPU.
 
-The tile table in cuflash/kernels/forward_sm80.py cites this sweep (H200, bf16, 2026-11-21):
+The tile table in cuflash/kernels/forward.py cites this sweep (H200, bf16, 2026-11-21):
 D64 128x128x2 beat 128x64x2 by 13-15%; D128 128x64x1 beat 128x32x2 by 10-16%; D256 kept 64x64x1.
 
     python benchmarks/forward_tile_sweep.py 4096      # sequence length (B = 16384 / S, H = 2048 / D)
@@ -15,7 +15,7 @@ import numpy as np
 from cuflash import build, launch
 from cuflash.arrays import describe_cupy
 from cuflash.kernels import KernelVariant, Launch, Plan, ProblemShape
-from cuflash.kernels import forward_sm80 as fwd
+from cuflash.kernels import forward as fwd
 
 # (kBlockM, kBlockN, kNWarps, kStages) candidates per head-dim bucket; the first is the old default.
 TILES = {

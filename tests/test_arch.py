@@ -1,6 +1,6 @@
 """The arch capability table (cuflash/arch.py), the one source of every plan's budgets."""
 from cuflash import arch
-from cuflash.kernels import backward_sm80, forward_sm80, simt
+from cuflash.kernels import backward, forward, simt
 
 KB = 1024
 
@@ -26,11 +26,11 @@ def test_every_plan_module_reads_the_table():
     assert simt.MAX_SMEM_BYTES == arch.min_smem_per_block()
     for number in (80, 86, 90, 100, 110, 120):
         limit = arch.arch_caps(number).smem_per_block
-        for module in (forward_sm80, backward_sm80, simt):
+        for module in (forward, backward, simt):
             variants = module.all_variants(number)
             assert variants and all(v.smem_bytes <= limit for v in variants), (module.__name__, number)
-        wgmma = [v for v in forward_sm80.all_variants(number) + backward_sm80.all_variants(number)
+        wgmma = [v for v in forward.all_variants(number) + backward.all_variants(number)
                  if getattr(v.config, "wgmma", False)]
         assert bool(wgmma) == (number == 90)
-    for module in (forward_sm80, backward_sm80, simt):
+    for module in (forward, backward, simt):
         assert module.all_variants(75) == []

@@ -78,13 +78,13 @@ def test_render_name_spells_every_argument_kind():
 
 def test_config_field_order_is_the_template_argument_order():
     """The tile a plan reads by name is the template argument the kernel gets at that position."""
-    from cuflash.kernels import backward_sm80, forward_sm80, simt
+    from cuflash.kernels import backward, forward, simt
 
-    fwd = forward_sm80.variant("bfloat16", 128, True, 80).config
-    assert build.render_name(forward_sm80.variant("bfloat16", 128, True, 80)) == (
+    fwd = forward.variant("bfloat16", 128, True, 80).config
+    assert build.render_name(forward.variant("bfloat16", 128, True, 80)) == (
         f"cuflash::flash_fwd_kernel<__nv_bfloat16, 128, {fwd.block_m}, {fwd.block_n}, {fwd.num_warps}, "
         f"{fwd.stages}, true, false>")
-    dkdv = backward_sm80.dkdv_variant(90, "float16", 64, False, atomic_dq=True)
+    dkdv = backward.dkdv_variant(90, "float16", 64, False, atomic_dq=True)
     tile = dkdv.config
     assert build.render_name(dkdv) == (
         f"cuflash::flash_bwd_dkdv_kernel<__half, 64, {tile.block_m}, {tile.block_n}, {tile.num_warps}, "
@@ -168,7 +168,7 @@ def test_every_variant_has_a_sane_launch_shape():
 def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
     """Every variant compiles; the bf16 D64/D128 forward and dK/dV kernels spill nothing beyond the
     allowance the forward tile table declares (with the measurement that justified it)."""
-    from cuflash.kernels.forward_sm80 import SPILL_ALLOWANCE
+    from cuflash.kernels.forward import SPILL_ALLOWANCE
 
     results = build.precompile(arch, workers=None)
     assert len(results) == len(kernels.all_variants(build.arch_number(arch)))

@@ -1,4 +1,4 @@
-"""Plan for the tensor-core forward of ``cuda_src/flash_fwd_sm80.cu`` (fp16 / bf16, sm_80 and later).
+"""Plan for the tensor-core forward of ``cuda_src/flash_fwd.cu`` (fp16 / bf16, sm_80 and later).
 
 One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch. A variant is
 ``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``; each warp
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_fwd_sm80.cu"
+SOURCE = "flash_fwd.cu"
 KERNEL_NAME = "cuflash::flash_fwd_kernel"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2

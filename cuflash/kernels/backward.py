@@ -1,4 +1,4 @@
-"""Plans for the tensor-core backward (fp16 / bf16, sm_80 and later): ``cuda_src/flash_bwd_sm80.cu``.
+"""Plans for the tensor-core backward (fp16 / bf16, sm_80 and later): ``cuda_src/flash_bwd.cu``.
 
 Launch order::
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_bwd_sm80.cu"
+SOURCE = "flash_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2  # fp16 and bf16
 
