@@ -1,8 +1,37 @@
-"""``python -m cuflash compile [--arch ...]`` and ``python -m cuflash bench [...]``."""
+"""``python -m cuflash compile [--arch ...]`` and ``python -m cuflash bench [...]``.
+
+The benchmark's body lives in the source checkout (``benchmarks/bench.py``: it imports torch, JAX,
+flash_attn and matplotlib, none of which the package needs); ``bench`` here only finds and runs it.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
+
+#: Where ``python -m cuflash bench`` looks for the benchmark: beside the package, in its checkout.
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def load_bench(path: Path | None = None):
+    """The benchmark module of the source checkout, or None when the package was installed without it
+    (from a wheel)."""
+    path = Path(path or BENCH_SCRIPT)
+    if not path.is_file():
+        return None
+    module = sys.modules.get("cuflash_bench")
+    if module is not None and getattr(module, "__file__", None) == str(path):
+        return module
+    spec = importlib.util.spec_from_file_location("cuflash_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cuflash_bench"] = module  # dataclasses resolve their module while the file executes
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["cuflash_bench"]
+        raise
+    return module
 
 
 def main(argv=None) -> int:
@@ -20,9 +49,13 @@ def main(argv=None) -> int:
         from .compile_cli import run_compile
 
         return run_compile(args.arch, args.workers)
-    from .bench import main as bench_main
-
-    return bench_main(rest) or 0
+    bench = load_bench()
+    if bench is None:
+        print(f"python -m cuflash bench runs benchmarks/bench.py of a cuflash source checkout, and there is "
+              f"none beside this package ({BENCH_SCRIPT} does not exist; installed from a wheel?). Clone the "
+              "repository and run it there: pip install -e . && python -m cuflash bench", file=sys.stderr)
+        return 2
+    return bench.main(rest)
 
 
 if __name__ == "__main__":

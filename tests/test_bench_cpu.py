@@ -1,9 +1,14 @@
-"""CPU checks of the bench's report side (table, plot, CLI): no GPU, synthetic results."""
+"""CPU checks of the bench's report side (table, plot, CLI): no GPU, synthetic results.
+
+The bench lives in benchmarks/bench.py; it is loaded here the way ``python -m cuflash bench`` loads it.
+"""
 import json
 
 import pytest
 
-from cuflash import bench
+from cuflash import __main__ as cli
+
+bench = cli.load_bench()
 
 
 def _cell(name, memory=False, cuflash=None, peers=None):
@@ -92,3 +97,15 @@ def test_report_is_json_serializable():
 def test_cli_quick_list_and_no_gpu(capsys):
     assert bench.main(["--quick", "--list", "--no-deterministic"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == len(bench.QUICK)
+
+
+def test_python_m_cuflash_bench_runs_the_checkout_script(capsys):
+    assert cli.main(["bench", "--quick", "--list"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(bench.QUICK)
+
+
+def test_python_m_cuflash_bench_without_a_checkout(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "benchmarks" / "bench.py")
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "benchmarks/bench.py of a cuflash source checkout" in err and "installed from a wheel?" in err

@@ -1,5 +1,9 @@
 """``python -m cuflash bench``: cuflash against every attention implementation installed, in one process.
 
+This file is the benchmark's body; it lives in the source checkout, not in the package (it imports torch,
+JAX, flash_attn and matplotlib where installed). ``python -m cuflash bench`` finds and runs it, and so does
+``python benchmarks/bench.py``.
+
 Every speed claim is a ratio against peers timed in the same process, on the same GPU, in the same run
 (benchmarks/RESULTS.md logs the runs). The grid follows PEERS.md: bf16, 16k tokens per batch
 (B = 16384 / S), hidden 2048 (H = 2048 / D), D in {64, 128, 256}, S in {1k, 4k, 16k}, causal and not,
