@@ -11,7 +11,9 @@ each group in a fixed order. With ``deterministic=True`` no kernel uses float at
 bit-identical.
 
 Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvTraits`` / ``DqTraits``
-layouts in the source; each kernel traps if it receives fewer bytes than its layout needs.
+layouts in the source. The build compiles each variant with ``-DCUFLASH_EXPECTED_SMEM_BYTES=<smem_bytes>``,
+which the kernel's ``CUFLASH_CHECK_SMEM_BYTES`` static_asserts against its layout: a drifted formula fails
+the compile, on the CPU.
 """
 from __future__ import annotations
 

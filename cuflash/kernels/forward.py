@@ -76,7 +76,8 @@ WGMMA_BUCKETS = (128, 256)
 def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel, for both
-    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes)."""
+    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes); each compile
+    checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel's ``CUFLASH_CHECK_SMEM_BYTES``)."""
     return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
 
 

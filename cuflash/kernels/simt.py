@@ -3,8 +3,9 @@
 Every kernel runs 256 threads as a 16 x 16 grid; a thread owns ``kBlockM / 16`` rows and
 ``kBlockN / 16`` columns of a score tile and the same rows of the output tile. Shared-memory tiles of
 Q / K / V / dO have a row pitch of ``kHeadDim + 4`` floats (see the source's header comment), and the
-P / dS tiles a pitch of ``kBlock + 4``. The byte formulas below mirror the kernels' ``*Smem`` structs;
-each kernel traps if it receives fewer bytes than its layout needs.
+P / dS tiles a pitch of ``kBlock + 4``. The byte formulas below mirror the kernels' ``*Smem`` structs,
+and each compile checks them (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel's
+``CUFLASH_CHECK_SMEM_BYTES``), so a drifted formula fails the build on the CPU.
 
 Tile choice: every variant must fit the dynamic shared memory that all archs from sm_80 on grant a
 block (``cuflash.arch.min_smem_per_block()``, 99 KB: sm_86 / sm_89 / sm_120), and 128 registers
