@@ -10,9 +10,10 @@ and each compile checks them (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel
 Tile choice: every variant must fit the dynamic shared memory that all archs from sm_80 on grant a
 block (``cuflash.arch.min_smem_per_block()``, 99 KB: sm_86 / sm_89 / sm_120), and 128 registers
 per thread (``__launch_bounds__(256, 2)``) without spilling. Within that, the largest tiles per
-head-dim bucket, since each element read from shared memory then feeds more FFMAs and fewer blocks re-read K/V (or Q/dO) from L2. Every long sum
-is two-level (a zeroed per-block accumulator added to the running one), which costs a second
-accumulator tile per thread and keeps the relative error near 1e-6 even at 16k keys.
+head-dim bucket, since each element read from shared memory then feeds more FFMAs and fewer blocks
+re-read K/V (or Q/dO) from L2. Every long sum is two-level (a zeroed per-block accumulator added to
+the running one), which costs a second accumulator tile per thread and keeps the relative error near
+1e-6 even at 16k keys.
 
 The backward is always deterministic (no atomics: dQ is owned by one block per query block, GQA dK/dV
 partials are summed in ascending head order), so ``deterministic`` is accepted and honored for free.
