@@ -2,7 +2,8 @@
 # One batched session on a lent GPU: install, compile every variant in parallel, then the named
 # stages, each logging under $OUT (what comes back from the device machine).
 #   bash benchmarks/device_run.sh tests bench            # the usual run
-#   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick,
+#   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick
+#           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
 #           sanitize, fuzzlong, ncu
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
 """Forward tile sweep: times alternative (kBlockM, kBlockN, warps, stages) per head dim on this GPU.
 
-The tile table in cuflash/kernels/forward_sm80.py cites this sweep (H200, bf16, 2026-11-21):
+The tile table in cuflash/kernels/forward.py cites this sweep (H200, bf16, 2026-11-21):
 D64 128x128x2 beat 128x64x2 by 13-15%; D128 128x64x1 beat 128x32x2 by 10-16%; D256 kept 64x64x1.
 
     python benchmarks/forward_tile_sweep.py 4096      # sequence length (B = 16384 / S, H = 2048 / D)
@@ -15,7 +15,7 @@ import numpy as np
 from cuflash import build, launch
 from cuflash.arrays import describe_cupy
 from cuflash.kernels import KernelVariant, Launch, Plan, ProblemShape
-from cuflash.kernels import forward_sm80 as fwd
+from cuflash.kernels import forward as fwd
 
 # (kBlockM, kBlockN, kNWarps, kStages) candidates per head-dim bucket; the first is the old default.
 TILES = {
@@ -27,8 +27,8 @@ TILES = {
 
 def variant(head_dim: int, tile: tuple, causal: bool) -> KernelVariant:
     block_m, block_n, warps, stages = tile
-    return KernelVariant(fwd.SOURCE, fwd.KERNEL_NAME, ("bfloat16", head_dim, block_m, block_n, warps, stages, causal),
-                         warps * 32, fwd.smem_bytes(head_dim, block_m, block_n, stages))
+    config = fwd.FwdConfig("bfloat16", head_dim, block_m, block_n, warps, stages, causal, wgmma=False)
+    return KernelVariant(fwd.SOURCE, fwd.KERNEL_NAME, config, warps * 32, fwd.smem_bytes(head_dim, block_m, block_n, stages))
 
 
 def median_ms(fn, reps: int = 30) -> float:

@@ -36,9 +36,18 @@ _CPP_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float
 
 
 def render_name(variant: KernelVariant) -> str:
-    """The name expression of a variant, e.g. ``cuflash::flash_fwd_kernel<__nv_bfloat16, 128, ...>``."""
+    """The name expression of a variant, e.g. ``cuflash::flash_fwd_kernel<__nv_bfloat16, 128, ...>``.
+
+    The template-argument list is ``variant.config``'s fields in declaration order (the config
+    dataclasses document the kernel signature they mirror): dtype names as ``__half`` /
+    ``__nv_bfloat16`` / ``float``, bools as ``true`` / ``false``, ints as decimals.
+    """
+    config = variant.config
+    if not (dataclasses.is_dataclass(config) and not isinstance(config, type)):
+        raise TypeError(f"{variant.name}: config must be a config dataclass instance; got {config!r}")
     rendered = []
-    for arg in variant.template_args:
+    for field in dataclasses.fields(config):
+        arg = getattr(config, field.name)
         if isinstance(arg, bool):
             rendered.append("true" if arg else "false")
         elif isinstance(arg, int):
@@ -46,7 +55,7 @@ def render_name(variant: KernelVariant) -> str:
         elif isinstance(arg, str) and arg in _CPP_TYPE:
             rendered.append(_CPP_TYPE[arg])
         else:
-            raise TypeError(f"cannot render template argument {arg!r} of {variant.name}")
+            raise TypeError(f"cannot render template argument {field.name}={arg!r} of {variant.name}")
     return f"{variant.name}<{', '.join(rendered)}>"
 
 
@@ -155,12 +164,18 @@ class CompileError(RuntimeError):
 compile_count = 0
 
 
+def _variant_options(variant: KernelVariant, arch: str) -> tuple:
+    """Options of one variant's compile: its arch, and the plan's shared-memory bytes, which the
+    kernel's ``CUFLASH_CHECK_SMEM_BYTES`` holds its own layout to (a drifted formula fails here)."""
+    return (f"-arch={arch}", f"-DCUFLASH_EXPECTED_SMEM_BYTES={variant.smem_bytes}")
+
+
 def cache_key(variant: KernelVariant, arch: str) -> str:
     """The disk-cache key of a variant: contents only (the source hash is in the options as
     ``-DCUFLASH_SRC_HASH``), never a path, so identical sources anywhere share one binary."""
     toolchain = _toolchain()
     return hashlib.sha256(json.dumps([
-        render_name(variant), variant.source, toolchain.key_options + (f"-arch={arch}",),
+        render_name(variant), variant.source, toolchain.key_options + _variant_options(variant, arch),
         toolchain.nvrtc_version, toolchain.cuda_headers_hash,
     ]).encode()).hexdigest()[:32]
 
@@ -170,7 +185,7 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     global compile_count
     toolchain = _toolchain()
     name = render_name(variant)
-    options = toolchain.options + (f"-arch={arch}",)
+    options = toolchain.options + _variant_options(variant, arch)
     key = cache_key(variant, arch)
     directory = cache_dir()
     cubin_path, meta_path = directory / f"{key}.cubin", directory / f"{key}.json"

@@ -1,5 +1,6 @@
 """Build layer on the CPU: name rendering, the params mirror, cache keys, and every variant compiling."""
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -40,14 +41,57 @@ def source_copy(tmp_path, monkeypatch):
     return src
 
 
-PROBE = KernelVariant("probe.cu", "cuflash::probe_kernel", (3,), threads=32, smem_bytes=0)
+@dataclass(frozen=True)
+class OneInt:
+    """The config of a test kernel ``template <int N>``."""
+
+    n: int
+
+
+PROBE = KernelVariant("probe.cu", "cuflash::probe_kernel", OneInt(3), threads=32, smem_bytes=0)
+
+
+@dataclass(frozen=True)
+class EveryKind:
+    elem: str
+    head_dim: int
+    causal: bool
+    other: str
+    flag: bool
+    acc: str
+
+
+@dataclass(frozen=True)
+class NotRenderable:
+    scale: float
 
 
 def test_render_name_spells_every_argument_kind():
-    variant = KernelVariant("x.cu", "cuflash::k", ("bfloat16", 128, True, "float16", False, "float32"), 128, 0)
+    config = EveryKind("bfloat16", 128, True, "float16", False, "float32")
+    variant = KernelVariant("x.cu", "cuflash::k", config, 128, 0)
     assert build.render_name(variant) == "cuflash::k<__nv_bfloat16, 128, true, __half, false, float>"
-    with pytest.raises(TypeError, match="template argument"):
-        build.render_name(KernelVariant("x.cu", "cuflash::k", (1.5,), 32, 0))
+    with pytest.raises(TypeError, match="template argument scale=1.5"):
+        build.render_name(KernelVariant("x.cu", "cuflash::k", NotRenderable(1.5), 32, 0))
+    with pytest.raises(TypeError, match="config dataclass"):
+        build.render_name(KernelVariant("x.cu", "cuflash::k", (1,), 32, 0))
+
+
+def test_config_field_order_is_the_template_argument_order():
+    """The tile a plan reads by name is the template argument the kernel gets at that position."""
+    from cuflash.kernels import backward, forward, simt
+
+    fwd = forward.variant("bfloat16", 128, True, 80).config
+    assert build.render_name(forward.variant("bfloat16", 128, True, 80)) == (
+        f"cuflash::flash_fwd_kernel<__nv_bfloat16, 128, {fwd.block_m}, {fwd.block_n}, {fwd.num_warps}, "
+        f"{fwd.stages}, true, false>")
+    dkdv = backward.dkdv_variant(90, "float16", 64, False, atomic_dq=True)
+    tile = dkdv.config
+    assert build.render_name(dkdv) == (
+        f"cuflash::flash_bwd_dkdv_kernel<__half, 64, {tile.block_m}, {tile.block_n}, {tile.num_warps}, "
+        "false, true, true>")
+    dq = simt.dq_variant(96, causal=True)
+    assert build.render_name(dq) == (
+        f"cuflash::flash_bwd_dq_simt_kernel<96, {dq.config.block_m}, {dq.config.block_n}, true>")
 
 
 def test_params_mirror_has_the_c_struct_size(source_copy):
@@ -137,7 +181,22 @@ def test_the_test_session_compiles_into_a_temporary_cache():
 def test_compile_error_carries_the_log(source_copy):
     (source_copy / "broken.cu").write_text("namespace cuflash { template <int N> __global__ void k() { undefined_name; } }\n")
     with pytest.raises(build.CompileError, match="undefined_name"):
-        build.compile_variant(KernelVariant("broken.cu", "cuflash::k", (1,), 32, 0), "sm_80")
+        build.compile_variant(KernelVariant("broken.cu", "cuflash::k", OneInt(1), 32, 0), "sm_80")
+
+
+def test_smem_formula_drift_fails_the_build(source_copy):
+    """build passes the plan's smem_bytes as CUFLASH_EXPECTED_SMEM_BYTES; a kernel's
+    CUFLASH_CHECK_SMEM_BYTES(kSmemBytes) static_asserts it (params.cuh), so drift fails on the CPU."""
+    (source_copy / "smem_probe.cu").write_text(
+        '#include "cuflash/params.cuh"\n'
+        "namespace cuflash { template <int kBytes> __global__ void smem_probe_kernel(const AttnParams p) {\n"
+        "  constexpr int kSmemBytes = 2 * kBytes;\n"
+        "  CUFLASH_CHECK_SMEM_BYTES(kSmemBytes);\n"
+        "} }\n")
+    build.compile_variant(KernelVariant("smem_probe.cu", "cuflash::smem_probe_kernel", OneInt(100), 32, 200), "sm_80")
+    with pytest.raises(build.CompileError, match="kSmemBytes differs from the plan's smem_bytes"):
+        build.compile_variant(KernelVariant("smem_probe.cu", "cuflash::smem_probe_kernel", OneInt(100), 32, 192),
+                              "sm_80")
 
 
 def test_every_variant_has_a_sane_launch_shape():
@@ -155,30 +214,31 @@ def test_every_variant_has_a_sane_launch_shape():
 def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
     """Every variant compiles; the bf16 D64/D128 forward and dK/dV kernels spill nothing beyond the
     allowance the forward tile table declares (with the measurement that justified it)."""
-    from cuflash.kernels.forward_sm80 import SPILL_ALLOWANCE
+    from cuflash.kernels.forward import SPILL_ALLOWANCE
 
     results = build.precompile(arch, workers=None)
     assert len(results) == len(kernels.all_variants(build.arch_number(arch)))
     hot = [r for r in results
            if r.variant.name in ("cuflash::flash_fwd_kernel", "cuflash::flash_bwd_dkdv_kernel")
-           and r.variant.template_args[0] == "bfloat16" and r.variant.template_args[1] in (64, 128)]
+           and r.variant.config.dtype == "bfloat16" and r.variant.config.head_dim in (64, 128)]
     assert hot, "no hot kernels found"
     arch_number = build.arch_number(arch)
     over = []
     for r in hot:
         allowed = 0
         if r.variant.name == "cuflash::flash_fwd_kernel":
-            allowed = SPILL_ALLOWANCE.get((arch_number, r.variant.template_args[1], r.variant.template_args[6]), 0)
+            allowed = SPILL_ALLOWANCE.get((arch_number, r.variant.config.head_dim, r.variant.config.causal), 0)
         if r.spill_stores + r.spill_loads > allowed:
             over.append((build.render_name(r.variant), r.spill_stores, r.spill_loads, allowed))
     assert not over, over
 
 
 _HEADER_PROBE = '''
-import sys, cupy
+import dataclasses, sys, cupy
 from cuflash import build, params
 from cuflash.kernels import KernelVariant
-variant = KernelVariant("probe_value.cu", "cuflash::probe_value_kernel", (1,), threads=32, smem_bytes=0)
+OneInt = dataclasses.make_dataclass("OneInt", [("n", int)], frozen=True)
+variant = KernelVariant("probe_value.cu", "cuflash::probe_value_kernel", OneInt(1), threads=32, smem_bytes=0)
 out = cupy.zeros(1, dtype=cupy.float32)
 block = params.new_params()
 block[0]["lse"] = out.data.ptr

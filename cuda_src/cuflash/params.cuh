@@ -62,3 +62,20 @@ static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES,
 #endif
 
 }  // namespace cuflash
+
+// CUFLASH_CHECK_SMEM_BYTES(kSmemBytes), in the body of each kernel with dynamic shared memory: the
+// build layer compiles every variant with -DCUFLASH_EXPECTED_SMEM_BYTES=<the plan's smem_bytes> (the
+// bytes the launch provides, a formula in cuflash/kernels/*.py), so a plan formula that drifted from
+// the kernel's layout fails the compile, on the CPU, instead of trapping on a GPU. Each NVRTC program
+// instantiates one kernel, so the one define always belongs to the kernel being checked.
+#define CUFLASH_STRINGIFY_(x) #x
+#define CUFLASH_STRINGIFY(x) CUFLASH_STRINGIFY_(x)
+#ifdef CUFLASH_EXPECTED_SMEM_BYTES
+#define CUFLASH_CHECK_SMEM_BYTES(expr)                                                             \
+    static_assert(static_cast<long long>(expr) ==                                                  \
+                      static_cast<long long>(CUFLASH_EXPECTED_SMEM_BYTES),                         \
+                  "kSmemBytes differs from the plan's smem_bytes (cuflash/kernels/*.py): "         \
+                  "CUFLASH_EXPECTED_SMEM_BYTES=" CUFLASH_STRINGIFY(CUFLASH_EXPECTED_SMEM_BYTES))
+#else
+#define CUFLASH_CHECK_SMEM_BYTES(expr)
+#endif

@@ -2,8 +2,8 @@
 
 Each kernel family has one module here, next to its source in ``cuda_src/``:
 
-- ``forward_sm80``: tensor-core forward (fp16 / bf16), ``flash_fwd_sm80.cu``
-- ``backward_sm80``: tensor-core backward (fp16 / bf16), ``flash_bwd_sm80.cu``
+- ``forward``: tensor-core forward (fp16 / bf16), ``flash_fwd.cu``
+- ``backward``: tensor-core backward (fp16 / bf16), ``flash_bwd.cu``
 - ``simt``: true-fp32 forward and backward, ``flash_simt.cu``
 
 A family module exposes ``plan_forward(shape, arch)``, ``plan_backward(shape, arch, deterministic)``
@@ -49,11 +49,19 @@ class ProblemShape:
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One compiled kernel: a template instantiation in one source file."""
+    """One compiled kernel: a template instantiation in one source file.
 
-    source: str  # file under cuda_src/, e.g. "flash_fwd_sm80.cu"
+    ``config`` is the kernel family's frozen config dataclass (``FwdConfig``, ``DkdvConfig``, ``DqConfig``,
+    ``SmallConfig``, ``SimtConfig``, ``SimtSmallConfig``): its fields, in declaration order, ARE the
+    kernel's template arguments, and ``cuflash.build.render_name`` spells them. Plans read tiles from it
+    by name (``variant.config.block_m``). ``smem_bytes`` is the plan's formula of the config; every
+    compile passes it as ``-DCUFLASH_EXPECTED_SMEM_BYTES`` and the kernel's ``CUFLASH_CHECK_SMEM_BYTES``
+    static_assert compares it with the layout's own size, so a drifted formula fails the build.
+    """
+
+    source: str  # file under cuda_src/, e.g. "flash_fwd.cu"
     name: str  # qualified template name, e.g. "cuflash::flash_fwd_kernel"
-    template_args: tuple  # dtype names (str), ints and bools, rendered by cuflash.build.render_name
+    config: object  # frozen dataclass of dtype names (str), ints and bools: the template arguments in order
     threads: int  # threads per block
     smem_bytes: int  # dynamic shared memory per block
 
@@ -85,9 +93,9 @@ def _family(shape: ProblemShape):
         from . import simt
 
         return simt
-    from . import forward_sm80, backward_sm80
+    from . import forward, backward
 
-    return forward_sm80, backward_sm80
+    return forward, backward
 
 
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
@@ -104,10 +112,10 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
 
 def all_variants(arch: int) -> list:
     """Every kernel variant the package can launch on ``arch``, without duplicates."""
-    from . import backward_sm80, forward_sm80, simt
+    from . import backward, forward, simt
 
     seen, out = set(), []
-    for module in (forward_sm80, backward_sm80, simt):
+    for module in (forward, backward, simt):
         for variant in module.all_variants(arch):
             if variant not in seen:
                 seen.add(variant)

@@ -3,21 +3,26 @@
 Every kernel runs 256 threads as a 16 x 16 grid; a thread owns ``kBlockM / 16`` rows and
 ``kBlockN / 16`` columns of a score tile and the same rows of the output tile. Shared-memory tiles of
 Q / K / V / dO have a row pitch of ``kHeadDim + 4`` floats (see the source's header comment), and the
-P / dS tiles a pitch of ``kBlock + 4``. The byte formulas below mirror the kernels' ``*Smem`` structs;
-each kernel traps if it receives fewer bytes than its layout needs.
+P / dS tiles a pitch of ``kBlock + 4``. The byte formulas below mirror the kernels' ``*Smem`` structs,
+and each compile checks them (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel's
+``CUFLASH_CHECK_SMEM_BYTES``), so a drifted formula fails the build on the CPU.
 
-Tile choice: every variant must fit the 99 KB of dynamic shared memory that all archs from sm_80 on
-(including sm_86 / sm_89) grant a block, and 128 registers per thread (``__launch_bounds__(256, 2)``)
-without spilling. Within that, the largest tiles per head-dim bucket, since each element read from
-shared memory then feeds more FFMAs and fewer blocks re-read K/V (or Q/dO) from L2. Every long sum
-is two-level (a zeroed per-block accumulator added to the running one), which costs a second
-accumulator tile per thread and keeps the relative error near 1e-6 even at 16k keys.
+Tile choice: every variant must fit the dynamic shared memory that all archs from sm_80 on grant a
+block (``cuflash.arch.min_smem_per_block()``, 99 KB: sm_86 / sm_89 / sm_120), and 128 registers
+per thread (``__launch_bounds__(256, 2)``) without spilling. Within that, the largest tiles per
+head-dim bucket, since each element read from shared memory then feeds more FFMAs and fewer blocks
+re-read K/V (or Q/dO) from L2. Every long sum is two-level (a zeroed per-block accumulator added to
+the running one), which costs a second accumulator tile per thread and keeps the relative error near
+1e-6 even at 16k keys.
 
 The backward is always deterministic (no atomics: dQ is owned by one block per query block, GQA dK/dV
 partials are summed in ascending head order), so ``deterministic`` is accepted and honored for free.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .. import arch as _arch
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
 SOURCE = "flash_simt.cu"
@@ -26,8 +31,26 @@ PAD = 4  # simt::kPad, floats of padding per shared-memory row
 PREP_ROWS = 32  # simt::kPrepRows, query rows per pre-pass block
 REDUCE_ROWS = 16  # simt::kReduceRows, key rows per GQA reduce block
 FLOAT_BYTES = 4
-MAX_SMEM_BYTES = 99 * 1024  # what sm_86 / sm_89 allow per block; sm_80 / sm_90 allow more
-MIN_ARCH = 80  # cp.async
+#: Every SIMT tile fits this on every arch the kernels run on, so the variant list is the same on all.
+MAX_SMEM_BYTES = _arch.min_smem_per_block()
+
+
+@dataclass(frozen=True)
+class SimtConfig:
+    """One tiled SIMT variant (forward, dK/dV or dQ): the template arguments of
+    ``flash_{fwd,bwd_dkdv,bwd_dq}_simt_kernel<kHeadDim, kBlockM, kBlockN, kIsCausal>``, in order."""
+
+    head_dim: int  # the head-dim bucket
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    causal: bool
+
+
+@dataclass(frozen=True)
+class SimtSmallConfig:
+    """The SIMT pre-pass and GQA reduce: ``flash_bwd_{preprocess,reduce_dkdv}_simt_kernel<kHeadDim>``."""
+
+    head_dim: int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,9 +124,9 @@ def dq_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
 def _tiled(name: str, head_dim: int, tiles: tuple, smem_bytes, causal: bool) -> KernelVariant:
     block_m, block_n = tiles
     smem = smem_bytes(head_dim, block_m, block_n)
-    if smem > MAX_SMEM_BYTES:  # a tile table edit that breaks the 99 KB promise fails here, on the CPU
+    if smem > MAX_SMEM_BYTES:  # a tile-table edit that breaks the promise fails here, on the CPU
         raise AssertionError(f"{name}<{head_dim}, {block_m}, {block_n}> needs {smem=} > {MAX_SMEM_BYTES}")
-    return KernelVariant(SOURCE, name, (head_dim, block_m, block_n, bool(causal)), THREADS, smem)
+    return KernelVariant(SOURCE, name, SimtConfig(head_dim, block_m, block_n, bool(causal)), THREADS, smem)
 
 
 def forward_variant(head_dim: int, causal: bool) -> KernelVariant:
@@ -119,15 +142,15 @@ def dq_variant(head_dim: int, causal: bool) -> KernelVariant:
 
 
 def preprocess_variant(head_dim: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_preprocess_simt_kernel", (head_dim,), THREADS, 0)
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_preprocess_simt_kernel", SimtSmallConfig(head_dim), THREADS, 0)
 
 
 def reduce_variant(head_dim: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_reduce_dkdv_simt_kernel", (head_dim,), THREADS, 0)
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_reduce_dkdv_simt_kernel", SimtSmallConfig(head_dim), THREADS, 0)
 
 
 def _check(shape: ProblemShape, arch: int) -> None:
-    if arch < MIN_ARCH:
+    if not _arch.arch_caps(arch).has_cp_async:
         raise ValueError(f"the fp32 kernels need sm_80 or later (cp.async); got {arch=}")
     if shape.dtype != "float32":
         raise ValueError(f"the SIMT kernels take float32 inputs; got dtype={shape.dtype!r}")
@@ -139,8 +162,7 @@ def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     """One launch, grid (ceil(Sq / kBlockM), H, B); no scratch."""
     _check(shape, arch)
     variant = forward_variant(shape.head_dim_bucket, shape.causal)
-    block_m = variant.template_args[1]
-    grid = (_cdiv(shape.seqlen_q, block_m), shape.num_heads, shape.batch)
+    grid = (_cdiv(shape.seqlen_q, variant.config.block_m), shape.num_heads, shape.batch)
     return Plan(launches=(Launch(variant, grid),))
 
 
@@ -158,21 +180,21 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
     dq = dq_variant(bucket, shape.causal)
     launches = [
         Launch(preprocess_variant(bucket), (_cdiv(sq, PREP_ROWS), h, b)),
-        Launch(dkdv, (_cdiv(sk, dkdv.template_args[2]), h, b)),
+        Launch(dkdv, (_cdiv(sk, dkdv.config.block_n), h, b)),
     ]
     scratch = [("softmax_d", (b, h, sq))]
     if h != h_kv:
         launches.append(Launch(reduce_variant(bucket), (_cdiv(sk, REDUCE_ROWS), h_kv, b)))
         scratch += [("dk_accum", (b, h, sk, bucket)), ("dv_accum", (b, h, sk, bucket))]
-    launches.append(Launch(dq, (_cdiv(sq, dq.template_args[1]), h, b)))
+    launches.append(Launch(dq, (_cdiv(sq, dq.config.block_m), h, b)))
     return Plan(launches=tuple(launches), scratch=tuple(scratch))
 
 
 def all_variants(arch: int) -> list:
     """Every SIMT kernel variant: each head-dim bucket x causal for the tiled kernels, each bucket for
-    the pre-pass and the reduce. All fit 99 KB of shared memory, so the list is the same on every
-    arch from sm_80 on."""
-    if arch < MIN_ARCH:
+    the pre-pass and the reduce. All fit MAX_SMEM_BYTES, so the list is the same on every arch from
+    sm_80 on."""
+    if not _arch.arch_caps(arch).has_cp_async:
         return []
     out = []
     for head_dim in HEAD_DIM_BUCKETS:

@@ -1,5 +1,9 @@
 """``python -m cuflash bench``: cuflash against every attention implementation installed, in one process.
 
+This file is the benchmark's body; it lives in the source checkout, not in the package (it imports torch,
+JAX, flash_attn and matplotlib where installed). ``python -m cuflash bench`` finds and runs it, and so does
+``python benchmarks/bench.py``.
+
 Every speed claim is a ratio against peers timed in the same process, on the same GPU, in the same run
 (benchmarks/RESULTS.md logs the runs). The grid follows PEERS.md: bf16, 16k tokens per batch
 (B = 16384 / S), hidden 2048 (H = 2048 / D), D in {64, 128, 256}, S in {1k, 4k, 16k}, causal and not,
@@ -29,8 +33,16 @@ forward+backward table's ``cf-det`` column (its TFLOPS, same FLOP count) and ``d
 cuflash); in the JSON, ``fwd_bwd_det_*`` keys in each cell's ``cuflash`` entry. ``--no-deterministic``
 skips it.
 
+With torch installed, cuflash's forward+backward is also timed through its torch adapter, exactly as a torch
+user calls it: ``cuflash.interop.torch.attention(q, k, v, causal=...)`` on ``requires_grad`` tensors, then
+``out.backward(dout)`` (the gradients reset to None before each call, as ``zero_grad`` does), on the same
+inputs, right after the CuPy-path forward+backward and timed the same way. The forward+backward table's
+``cf-torch`` column (its TFLOPS, same FLOP count) sits next to cuflash's, and ``torch/cf`` (cf-torch over
+cuflash) among the ratios; in the JSON, ``fwd_bwd_torch_*`` keys in each cell's ``cuflash`` entry.
+
 Output: a progress bar, one table (TFLOPS, with cuflash / cuDNN and cuflash / FA2 ratios), and
-``bench.json`` + ``bench.png`` in ``--out`` (default ./bench_out). Without a GPU it says so and exits 0.
+``bench.json`` + ``bench.png`` in ``--out`` (default ./bench_out). Without a usable GPU, or when cuflash
+measured nothing, it says why and exits 1.
 """
 from __future__ import annotations
 
@@ -63,6 +75,8 @@ IMPLS = (
 MODES = ("fwd", "fwd_bwd")
 #: cuflash's forward + ``deterministic=True`` backward: timed after its ``fwd_bwd``, reported beside it.
 DET_MODE = "fwd_bwd_det"
+#: cuflash's forward+backward through its torch adapter (autograd): timed after its ``fwd_bwd``.
+TORCH_MODE = "fwd_bwd_torch"
 #: triton.testing.do_bench budgets (milliseconds of warm-up / of timed repeats).
 WARMUP_MS, REP_MS = 25, 100
 #: bf16 outputs of two correct kernels differ by ~4e-3 (rounding); more than this is a red flag.
@@ -88,7 +102,7 @@ class Cell:
 
     def flops(self, mode: str) -> float:
         fwd = 4.0 * self.B * self.H * self.S * self.S * self.D * (0.5 if self.causal else 1.0)
-        return fwd * (3.5 if mode in ("fwd_bwd", DET_MODE) else 1.0)
+        return fwd * (3.5 if mode in ("fwd_bwd", DET_MODE, TORCH_MODE) else 1.0)
 
 
 def _kind(causal: bool) -> str:
@@ -346,7 +360,31 @@ def _cuflash(cell: Cell, x: Inputs, torch):
             raise det_problem
         return backward(True)
 
-    return {"fwd": fwd, "fwd_bwd": fwd_bwd, DET_MODE: fwd_bwd_det}
+    fns = {"fwd": fwd, "fwd_bwd": fwd_bwd, DET_MODE: fwd_bwd_det}
+    if x.torch:
+        fns[TORCH_MODE] = _cuflash_via_torch(cell, x)
+    return fns
+
+
+def _cuflash_via_torch(cell: Cell, x: Inputs):
+    """cuflash's forward+backward as a torch user calls it: the adapter's autograd op, ``.backward(dout)``."""
+    try:
+        import cuflash.interop.torch as cft
+    except Exception as exc:  # noqa: BLE001 - then only the cf-torch column is n/a
+        problem = exc
+
+        def unavailable():
+            raise problem
+
+        return unavailable
+    qg, kg, vg = (t.detach().requires_grad_() for t in (x.q, x.k, x.v))
+
+    def fwd_bwd_torch():
+        qg.grad = kg.grad = vg.grad = None  # what zero_grad(set_to_none=True) leaves between steps
+        cft.attention(qg, kg, vg, causal=cell.causal).backward(x.dout)
+        return qg.grad, kg.grad, vg.grad
+
+    return fwd_bwd_torch
 
 
 def _sdpa(backend_name: str):
@@ -508,9 +546,12 @@ def _relative_difference(a, b) -> float:
     return float(cupy.sqrt(cupy.sum(diff * diff)) / cupy.sqrt(cupy.sum(b32 * b32)))
 
 
-def modes_of(impl: str, deterministic: bool = True) -> tuple:
-    """The timed configurations of one implementation in one cell, in timing order."""
-    return MODES + ((DET_MODE,) if deterministic and impl == "cuflash" else ())
+def modes_of(impl: str, deterministic: bool = True, via_torch: bool = False) -> tuple:
+    """The timed configurations of one implementation in one cell, in timing order (``via_torch``: torch
+    is installed, so cuflash is also timed through its torch adapter)."""
+    if impl != "cuflash":
+        return MODES
+    return MODES + ((TORCH_MODE,) if via_torch else ()) + ((DET_MODE,) if deterministic else ())
 
 
 def _det_difference(fns: dict) -> float:
@@ -521,6 +562,7 @@ def _det_difference(fns: dict) -> float:
 
 def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progress,
                  deterministic: bool = True) -> dict:
+    via_torch = torch is not None
     x = make_inputs(cell, torch)
     results: dict = {}
     outputs: dict = {}
@@ -541,10 +583,10 @@ def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progres
                 outputs[impl] = out[0] if isinstance(out, tuple) else out
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run this cell is reported, not fatal
             entry["note"] = "n/a: " + _reason(exc)
-            for _ in modes_of(impl, deterministic):
+            for _ in modes_of(impl, deterministic, via_torch):
                 progress.step(f"{cell.name} {impl} n/a")
             continue
-        for mode in modes_of(impl, deterministic):
+        for mode in modes_of(impl, deterministic, via_torch):
             progress.step(f"{cell.name} {impl} {mode}")
             try:
                 with warnings.catch_warnings():
@@ -556,11 +598,14 @@ def measure_cell(cell: Cell, impls: list, timer: Timer, torch, progress: Progres
                 entry[f"{mode}_ms"] = round(ms, 4)
                 entry[f"{mode}_tflops"] = round(cell.flops(mode) / (ms * 1e-3) / 1e12, 1)
             except Exception as exc:  # noqa: BLE001
-                prefix = "n/a (deterministic=True): " if mode == DET_MODE else "n/a: "
+                prefix = {DET_MODE: "n/a (deterministic=True): ", TORCH_MODE: "n/a (via torch): "}.get(mode, "n/a: ")
                 entry[f"{mode}_note"] = prefix + _reason(exc)
         det, default = entry.get(f"{DET_MODE}_tflops"), entry.get("fwd_bwd_tflops")
         if det is not None and default:
             entry[f"{DET_MODE}_ratio"] = round(det / default, 3)  # the table's det/cf
+        via = entry.get(f"{TORCH_MODE}_tflops")
+        if via is not None and default:
+            entry[f"{TORCH_MODE}_ratio"] = round(via / default, 3)  # the table's torch/cf
         if det is not None:
             try:
                 with warnings.catch_warnings():
@@ -650,6 +695,17 @@ def has_deterministic(report: dict) -> bool:
     return any(key.startswith(DET_MODE) for c in report["cells"] for key in c["results"].get("cuflash", {}))
 
 
+def has_via_torch(report: dict) -> bool:
+    """Whether the run timed cuflash through its torch adapter (then the table shows cf-torch, torch/cf)."""
+    return any(key.startswith(TORCH_MODE) for c in report["cells"] for key in c["results"].get("cuflash", {}))
+
+
+def measured_anything(report: dict) -> bool:
+    """Whether cuflash has at least one forward or forward+backward figure in the report."""
+    return any(c["results"].get("cuflash", {}).get(f"{mode}_tflops") is not None
+               for c in report["cells"] for mode in MODES)
+
+
 def table(report: dict) -> str:
     impls = report["implementations"]
     labels = dict(IMPLS)
@@ -657,8 +713,13 @@ def table(report: dict) -> str:
     det = has_deterministic(report)
     lines = []
     for mode, title in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
-        head = f"{'cell (' + title + ', TFLOPS)':34s}" + "".join(f"{labels[i]:>8s}" for i in impls)
+        via = mode == "fwd_bwd" and has_via_torch(report)  # cf-torch right after cuflash, torch/cf after cf/best
+        head = f"{'cell (' + title + ', TFLOPS)':34s}"
+        for i in impls:
+            head += f"{labels[i]:>8s}" + (f"{'cf-torch':>9s}" if via and i == "cuflash" else "")
         head += f"{'cf/cuDNN':>9s}{'cf/FA2':>9s}{'cf/best':>9s}"
+        if via:
+            head += f"{'torch/cf':>9s}"
         if mode == "fwd_bwd" and det:
             head += f"{'cf-det':>8s}{'det/cf':>9s}"
         if mode == "fwd_bwd" and any(c.get("memory") for c in report["cells"]):
@@ -667,12 +728,17 @@ def table(report: dict) -> str:
         for c in report["cells"]:
             r = c["results"]
             values = {i: r.get(i, {}).get(f"{mode}_tflops") for i in impls}
-            row = f"{c['name']:34s}" + "".join(" " + _fmt(values[i]) for i in impls)
+            ours_via = r.get("cuflash", {}).get(f"{TORCH_MODE}_tflops")
+            row = f"{c['name']:34s}"
+            for i in impls:
+                row += " " + _fmt(values[i]) + (" " + _fmt(ours_via, 8) if via and i == "cuflash" else "")
             ours = values.get("cuflash")
             peers = [v for i, v in values.items() if i != "cuflash" and isinstance(v, (int, float))]
             row += " " + _ratio(ours, values.get(cudnn) if cudnn else None)
             row += " " + _ratio(ours, values.get("torch-fa2"))
             row += " " + _ratio(ours, max(peers) if peers else None)
+            if via:
+                row += " " + _ratio(ours_via, ours)
             if mode == "fwd_bwd" and det:
                 ours_det = r.get("cuflash", {}).get(f"{DET_MODE}_tflops")
                 row += " " + _fmt(ours_det) + " " + _ratio(ours_det, ours)
@@ -731,6 +797,9 @@ def plot(report: dict, path: Path) -> str:
         if mode == "fwd_bwd" and det:
             series.insert(1, ("cuflash", f"{DET_MODE}_tflops", "cuflash det",
                               {"color": "C0", "alpha": 0.45, "hatch": "//"}))
+        if mode == "fwd_bwd" and has_via_torch(report):
+            series.insert(1, ("cuflash", f"{TORCH_MODE}_tflops", "cuflash via torch",
+                              {"color": "C0", "alpha": 0.7, "hatch": ".."}))
         width = 0.8 / max(1, len(series))
         for index, (impl, key, label, style) in enumerate(series):
             values = [c["results"].get(impl, {}).get(key) or 0.0 for c in cells]
@@ -779,8 +848,9 @@ def main(argv=None) -> int:
         return 0
     problem = _gpu_problem()
     if problem is not None:
-        print(f"cuflash bench needs a CUDA GPU; none is usable here ({problem}). Nothing to measure.")
-        return 0
+        print(f"cuflash bench needs a CUDA GPU and found no usable one ({problem}): nothing was measured.",
+              file=sys.stderr)
+        return 1
     if not cells:
         print("no cell matches --cells")
         return 2
@@ -802,7 +872,7 @@ def main(argv=None) -> int:
           f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}"
           f"{', plus cuflash deterministic=True forward+backward' if deterministic else ''}", flush=True)
 
-    progress = Progress(len(cells) * sum(len(modes_of(i, deterministic)) for i in impls))
+    progress = Progress(len(cells) * sum(len(modes_of(i, deterministic, torch is not None)) for i in impls))
     measured = []
     for cell in cells:
         measured.append(measure_cell(cell, impls, timer, torch, progress, deterministic))
@@ -828,6 +898,9 @@ def main(argv=None) -> int:
             "argv": list(argv) if argv is not None else sys.argv[1:],
             "timing": "triton.testing.do_bench median" if timer.triton else "CUDA events median",
             "flops": "fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd",
+            "via_torch": ("cuflash fwd_bwd_torch_*: cuflash.interop.torch.attention on requires_grad tensors, "
+                          ".backward(dout), timed like fwd_bwd, same FLOPs; fwd_bwd_torch_ratio = via-torch / "
+                          "CuPy-path TFLOPS") if torch is not None else "not timed (torch is not installed)",
             "deterministic": ("cuflash fwd_bwd_det_*: forward + attention_backward(deterministic=True), "
                               "timed like fwd_bwd, same FLOPs; fwd_bwd_det_ratio = det / default TFLOPS; "
                               "fwd_bwd_det_grad_difference = worst relative difference of dq/dk/dv vs default")
@@ -845,6 +918,9 @@ def main(argv=None) -> int:
     print(table(report))
     print(f"wrote {out_dir / 'bench.json'}; {plot(report, out_dir / 'bench.png')}")
     print(f"total {report['meta']['seconds']} s")
+    if not measured_anything(report):
+        print("cuflash measured nothing (every cell n/a; the notes above say why)", file=sys.stderr)
+        return 1
     return 0
 
 

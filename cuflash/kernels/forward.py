@@ -1,4 +1,4 @@
-"""Plan for the tensor-core forward of ``cuda_src/flash_fwd_sm80.cu`` (fp16 / bf16, sm_80 and later).
+"""Plan for the tensor-core forward of ``cuda_src/flash_fwd.cu`` (fp16 / bf16, sm_80 and later).
 
 One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch. A variant is
 ``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``; each warp
@@ -19,7 +19,8 @@ Tile choice (see :func:`tile_sm80`) follows from three budgets per SM:
   see tile_sm80; on arch 90 those buckets now take wgmma, so they serve sm_100-class parts only).
 - shared memory: ``2 * kHeadDim * (kBlockM + 2 * kStages * kBlockN)`` bytes per CTA (Q, then kStages
   K and V tiles; the same in either panel layout), plus 1 KB the driver reserves per CTA. Per SM /
-  per block: H100 (sm_90) 228 / 227 KB, A100 (sm_80) 164 / 163 KB, sm_86 / sm_89 100 / 99 KB.
+  per block (``cuflash.arch``): H100 (sm_90) 228 / 227 KB, A100 (sm_80) 164 / 163 KB, sm_86 / sm_89
+  100 / 99 KB.
 - shared-memory bandwidth: a warp with two m16 tiles uses each ldmatrix'd K / V fragment twice
   (mma.sync); a wgmma reads each operand once per warpgroup of four 16-row warps.
 A 2-stage K/V ring (where it still fits the CTAs per SM) lets each copy hide behind a whole step
@@ -27,14 +28,32 @@ of tensor-core work instead of part of one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_fwd_sm80.cu"
+SOURCE = "flash_fwd.cu"
 KERNEL_NAME = "cuflash::flash_fwd_kernel"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2
-MIN_ARCH = 80  # cp.async, ldmatrix, bf16 mma.sync
 KB = 1024
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One forward variant. The fields, in this order, are the template arguments of
+    ``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``
+    (``cuflash.build.render_name`` renders them)."""
+
+    dtype: str  # "float16" or "bfloat16"
+    head_dim: int  # the head-dim bucket
+    block_m: int  # query rows per CTA
+    block_n: int  # keys per mainloop step
+    num_warps: int
+    stages: int  # K / V shared-memory buffers each
+    causal: bool
+    wgmma: bool  # the sm_90a warpgroup mainloop instead of mma.sync
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -54,19 +73,11 @@ SPILL_ALLOWANCE: dict = {}
 WGMMA_BUCKETS = (128, 256)
 
 
-def smem_capacity(arch: int) -> tuple:
-    """(bytes per SM, bytes one block may opt into) of shared memory on ``arch``."""
-    if arch in (80, 87):  # A100, Orin
-        return 164 * KB, 163 * KB
-    if arch >= 90 and arch < 120:  # H100 / H200, B200
-        return 228 * KB, 227 * KB
-    return 100 * KB, 99 * KB  # sm_86, sm_89, sm_120 (consumer parts)
-
-
 def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel, for both
-    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes)."""
+    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes); each compile
+    checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel's ``CUFLASH_CHECK_SMEM_BYTES``)."""
     return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
 
 
@@ -87,9 +98,10 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
     own 16 rows. Causal uses the non-causal tiles except on sm_86 / sm_89 (as FlashAttention-2): the
     longest-first grid order already balances the triangle.
     """
-    if arch < MIN_ARCH:
+    caps = arch_caps(arch)
+    if not caps.has_cp_async:
         raise ValueError(f"the tensor-core forward needs sm_80 or later; got {arch=}")
-    _, per_block = smem_capacity(arch)
+    per_block = caps.smem_per_block
     if per_block >= 160 * KB:  # A100 and H100 class
         big = per_block >= 200 * KB  # H100 / B200
         if head_dim_bucket <= 32:
@@ -167,7 +179,7 @@ def tile_sm90_wgmma(head_dim_bucket: int) -> tuple:
 
 def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
     """True where the plan picks the sm_90a wgmma mainloop (Hopper only: sm_100 has no wgmma)."""
-    return arch == 90 and head_dim_bucket in WGMMA_BUCKETS
+    return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
 def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> KernelVariant:
@@ -181,25 +193,24 @@ def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> Kernel
     else:
         block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
     smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
-    _, per_block = smem_capacity(arch)
+    per_block = arch_caps(arch).smem_per_block
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
-    args = (dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal), wgmma)
-    return KernelVariant(SOURCE, KERNEL_NAME, args, warps * 32, smem)
+    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal), wgmma)
+    return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem)
 
 
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     """One launch, grid (ceil(Sq / kBlockM), H, B); no scratch."""
     v = variant(shape.dtype, shape.head_dim_bucket, shape.causal, arch)
-    block_m = v.template_args[2]
-    grid = (_cdiv(shape.seqlen_q, block_m), shape.num_heads, shape.batch)
+    grid = (_cdiv(shape.seqlen_q, v.config.block_m), shape.num_heads, shape.batch)
     return Plan(launches=(Launch(v, grid),))
 
 
 def all_variants(arch: int) -> list:
     """fp16 / bf16 x every head-dim bucket x causal or not (none before sm_80)."""
-    if arch < MIN_ARCH:
+    if not arch_caps(arch).has_cp_async:
         return []
     return [variant(dtype, bucket, causal, arch)
             for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for causal in (False, True)]

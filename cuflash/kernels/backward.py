@@ -1,4 +1,4 @@
-"""Plans for the tensor-core backward (fp16 / bf16, sm_80 and later): ``cuda_src/flash_bwd_sm80.cu``.
+"""Plans for the tensor-core backward (fp16 / bf16, sm_80 and later): ``cuda_src/flash_bwd.cu``.
 
 Launch order::
 
@@ -11,21 +11,65 @@ each group in a fixed order. With ``deterministic=True`` no kernel uses float at
 bit-identical.
 
 Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvTraits`` / ``DqTraits``
-layouts in the source; each kernel traps if it receives fewer bytes than its layout needs.
+layouts in the source. The build compiles each variant with ``-DCUFLASH_EXPECTED_SMEM_BYTES=<smem_bytes>``,
+which the kernel's ``CUFLASH_CHECK_SMEM_BYTES`` static_asserts against its layout: a drifted formula fails
+the compile, on the CPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_bwd_sm80.cu"
+SOURCE = "flash_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2  # fp16 and bf16
 
 #: The small memory-bound kernels: 64 rows per block, 4 warps.
 SMALL_BLOCK_ROWS = 64
 SMALL_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class DkdvConfig:
+    """One dK/dV variant. The fields, in this order, are the template arguments of
+    ``flash_bwd_dkdv_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kAtomicDq, kWgmma>``
+    (``cuflash.build.render_name`` renders them)."""
+
+    dtype: str  # "float16" or "bfloat16"
+    head_dim: int  # the head-dim bucket
+    block_m: int  # queries per step (streamed)
+    block_n: int  # keys per CTA (resident)
+    num_warps: int
+    causal: bool
+    atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
+    wgmma: bool  # the sm_90a warpgroup path instead of mma.sync
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """One deterministic dQ variant: the template arguments of
+    ``flash_bwd_dq_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>``, in order."""
+
+    dtype: str
+    head_dim: int
+    block_m: int  # queries per CTA (resident)
+    block_n: int  # keys per step (streamed)
+    num_warps: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class SmallConfig:
+    """The memory-bound helper kernels (pre-pass, dQ convert, GQA dK/dV reduce): the template arguments
+    of ``flash_bwd_{preprocess,convert_dq,reduce_dkdv}_kernel<Elem, kHeadDim, kBlockM, kNWarps>``, in order
+    (the reduce kernel calls its rows kBlockN: they are keys)."""
+
+    dtype: str
+    head_dim: int
+    block_rows: int = SMALL_BLOCK_ROWS  # query rows (key rows for the reduce) per CTA
+    num_warps: int = SMALL_NUM_WARPS
 
 
 @dataclass(frozen=True)
@@ -39,19 +83,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def max_smem_per_block(arch: int) -> int:
-    """Opt-in dynamic shared memory per block, in bytes."""
-    if arch < 80:
-        raise ValueError(f"arch={arch}: the tensor-core backward needs sm_80 or later")
-    if arch in (90, 100, 103):  # H100/H200, B200/GB200/B300: 227 KB
-        return 227 * 1024
-    if arch in (80, 87):  # A100, Orin: 163 KB
-        return 163 * 1024
-    return 99 * 1024  # sm_86, sm_89, sm_120 and anything unknown: 99 KB
-
-
 def _tier(arch: int) -> str:
-    limit = max_smem_per_block(arch)
+    """Which tile table serves ``arch``: by the shared memory one block may have (cuflash.arch)."""
+    caps = arch_caps(arch)
+    if not caps.has_cp_async:
+        raise ValueError(f"arch={arch}: the tensor-core backward needs sm_80 or later")
+    limit = caps.smem_per_block
     if limit >= 227 * 1024:
         return "hopper"
     if limit >= 163 * 1024:
@@ -110,7 +147,7 @@ WGMMA_BUCKETS = (64, 128, 256)
 
 def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
     """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path."""
-    return arch == 90 and head_dim_bucket in WGMMA_BUCKETS
+    return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
 # The dK/dV tiles of the wgmma path (sm_90a), 8 warps = 2 warpgroups of 64 keys each:
@@ -170,26 +207,26 @@ def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> 
 
 
 def _check_fits(variant: KernelVariant, arch: int) -> KernelVariant:
-    limit = max_smem_per_block(arch)
+    limit = arch_caps(arch).smem_per_block
     if variant.smem_bytes > limit:
-        raise ValueError(f"{variant.name}{variant.template_args} needs {variant.smem_bytes} bytes of shared "
+        raise ValueError(f"{variant.name} {variant.config} needs {variant.smem_bytes} bytes of shared "
                          f"memory, more than the {limit} an sm_{arch} block can have")
     return variant
 
 
 def preprocess_variant(dtype: str, bucket: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_preprocess_kernel",
-                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_preprocess_kernel", SmallConfig(dtype, bucket),
+                         SMALL_NUM_WARPS * 32, 0)
 
 
 def convert_dq_variant(dtype: str, bucket: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_convert_dq_kernel",
-                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_convert_dq_kernel", SmallConfig(dtype, bucket),
+                         SMALL_NUM_WARPS * 32, 0)
 
 
 def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_reduce_dkdv_kernel",
-                         (dtype, bucket, SMALL_BLOCK_ROWS, SMALL_NUM_WARPS), SMALL_NUM_WARPS * 32, 0)
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_reduce_dkdv_kernel", SmallConfig(dtype, bucket),
+                         SMALL_NUM_WARPS * 32, 0)
 
 
 def dkdv_variant(arch: int, dtype: str, bucket: int, causal: bool, atomic_dq: bool) -> KernelVariant:
@@ -197,8 +234,8 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, causal: bool, atomic_dq: bo
     smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dkdv_kernel",
-        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq),
-         uses_wgmma(arch, bucket)),
+        DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq),
+                   uses_wgmma(arch, bucket)),
         tile.num_warps * 32, smem), arch)
 
 
@@ -207,7 +244,7 @@ def dq_variant(arch: int, dtype: str, bucket: int, causal: bool) -> KernelVarian
     smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dq_kernel",
-        (dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal)),
+        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal)),
         tile.num_warps * 32, smem), arch)
 
 
@@ -223,12 +260,11 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
     dkdv = dkdv_variant(arch, dtype, bucket, causal, atomic_dq=not deterministic)
-    dkdv_tile = tile_sm80(arch, bucket, causal)
-    launches.append(Launch(dkdv, (_ceil_div(sk, dkdv_tile.block_n), h, b)))
+    launches.append(Launch(dkdv, (_ceil_div(sk, dkdv.config.block_n), h, b)))
     scratch = [("softmax_d", (b, h, sq))]
     if deterministic:
-        dq_tile = dq_tile_sm80(arch, bucket, causal)
-        launches.append(Launch(dq_variant(arch, dtype, bucket, causal), (_ceil_div(sq, dq_tile.block_m), h, b)))
+        dq = dq_variant(arch, dtype, bucket, causal)
+        launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
         scratch.append(("dq_accum", (b, h, sq, bucket)))
@@ -240,6 +276,9 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
 
 
 def all_variants(arch: int) -> list:
+    """Every backward variant on ``arch`` (none before sm_80)."""
+    if not arch_caps(arch).has_cp_async:
+        return []
     out = []
     for dtype in DTYPES:
         for bucket in HEAD_DIM_BUCKETS:

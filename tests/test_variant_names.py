@@ -1,0 +1,23 @@
+"""The rendered kernel names (template-argument lists) of every variant, pinned.
+
+``tests/data/variant_names_sm{80,90}.txt`` hold the sorted names that ``all_variants`` rendered before
+the plans moved to named configs and one arch table (generated once from commit fa794ad). A change of
+any tile, warp count, stage count or wgmma choice on sm_80 or sm_90a changes this set: regenerate the
+file only for a deliberate, measured tile change, and say so in the commit.
+"""
+from pathlib import Path
+
+import pytest
+
+from cuflash import build, kernels
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+def test_rendered_names_are_unchanged(arch):
+    expected = set((DATA / f"variant_names_sm{arch}.txt").read_text().split("\n")) - {""}
+    variants = kernels.all_variants(arch)
+    rendered = [build.render_name(v) for v in variants]
+    assert len(rendered) == len(set(rendered)) == len(variants)
+    assert set(rendered) == expected
