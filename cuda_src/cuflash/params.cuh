@@ -12,6 +12,14 @@
 //   dq_accum (B, H, Sq, kHeadDim), dk_accum (B, H, Sk, kHeadDim), dv_accum (B, H, Sk, kHeadDim).
 #pragma once
 
+// Each kernel with dynamic shared memory states its layout's size with CUFLASH_CHECK_SMEM_BYTES; when the
+// build passes the host plan's figure (-DCUFLASH_EXPECTED_SMEM_BYTES) a disagreement fails to compile.
+#ifdef CUFLASH_EXPECTED_SMEM_BYTES
+#define CUFLASH_CHECK_SMEM_BYTES(bytes) static_assert((bytes) == CUFLASH_EXPECTED_SMEM_BYTES, "kernel shared-memory layout and the host plan disagree")
+#else
+#define CUFLASH_CHECK_SMEM_BYTES(bytes)
+#endif
+
 namespace cuflash {
 
 struct AttnParams {

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_bwd_sm80.cu"
+SOURCE = "flash_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2  # fp16 and bf16
 

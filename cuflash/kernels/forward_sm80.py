@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
 
-SOURCE = "flash_fwd_sm80.cu"
+SOURCE = "flash_fwd.cu"
 KERNEL_NAME = "cuflash::flash_fwd_kernel"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2

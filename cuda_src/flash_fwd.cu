@@ -1,0 +1,82 @@
+// Tensor-core attention forward, FlashAttention-2 algorithm, for __half and __nv_bfloat16 on sm_80+,
+// with a warpgroup (wgmma) mainloop for sm_90a.
+//
+// Idea. One CTA owns kBlockM query rows of one (batch, head); each of its kNWarps warps owns
+// kBlockM / kNWarps consecutive rows (kMTiles m16 tiles) for the whole key loop. Per key block:
+//   S = Q.K^T     tensor cores; Q stays in shared memory (registers go to the accumulators)
+//   mask          only where a warp's tile crosses the causal diagonal or the end of the keys
+//   softmax       online, in registers (softmax.cuh): one FFMA + EX2 per score; acc_o rescaled only
+//                 when a row's maximum moved
+//   O += P.V      P packed to Elem in registers: the C layout of S is the A layout of P
+// and at the end O /= l, lse = m*scale + log(l), O staged through shared memory for 16-byte stores.
+// Tile sizes per head-dim bucket and arch, and why, live in cuflash/kernels/forward_sm80.py.
+// Two mainloops, chosen by a trait on the template argument kWgmma; both drive the same mask and softmax,
+// which see only the mma C-fragment layout (cuda_src/README.md, "Accumulator contract").
+//
+// The mainloops live in cuflash/fwd_mainloop_sm80.cuh (mma.sync, narrow 32-column panels, cp.async
+// kStages-deep K / V pipeline) and cuflash/fwd_mainloop_sm90.cuh (wgmma, wide 128-byte-swizzled panels,
+// 2-slot ring with the softmax of S_j under P.V_{j-1}); each file states its pipeline. The kernel below is
+// glue: block index -> sequence info (cuflash/seqlen.cuh) -> key blocks (cuflash/block.cuh) -> mainloop
+// -> epilogue (cuflash/epilogue_fwd.cuh).
+//
+// Checked without a GPU: all_variants(80) compiles for sm_80 and all_variants(90) (wgmma included) for
+// sm_90a, spill-free, and ptxas reports no serialized wgmma. A CPU emulation of the warp collectives
+// and of cp.async (with a shared-memory race detector) matched a float64 reference over tails,
+// D < bucket, Dv != D, GQA, padded strides and zero / negative scales (mma.sync path); a replay of
+// the address formulas found every tile covered exactly once and zero bank conflicts (both panel
+// layouts; the cp.async writes of the wide one land exactly on the wgmma layout).
+// Measured (H200, bf16, tile sweep of 2026-11-21, see forward_sm80.tile_sm80), mma.sync: D64 128 x
+// 128 x 2 stages 332 TFLOPS at S=4k; D128 128 x 64 x 1 stage 346 (causal 314). The wgmma mainloop
+// is not measured yet (2026-11-21). Target: >= FlashAttention-2 (H100: 335 TFLOPS fwd at D128,
+// S=4k) on mma.sync, well above it on wgmma.
+
+#include "cuflash/params.cuh"
+#include "cuflash/seqlen.cuh"
+#include "cuflash/block.cuh"
+#include "cuflash/softmax.cuh"
+#include "cuflash/fwd_mainloop_sm80.cuh"
+#include "cuflash/fwd_mainloop_sm90.cuh"
+#include "cuflash/epilogue_fwd.cuh"
+
+namespace cuflash {
+
+// kWgmma = false: the mma.sync mainloop (sm_80 and later). kWgmma = true: the warpgroup mainloop of
+// sm_90a; its default keeps older 7-argument names meaning mma.sync.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kIsCausal,
+          bool kWgmma = false>
+__global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParams params) {
+    using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal>;
+    using Mainloop = conditional_t<kWgmma, FwdMainloopSm90<Cfg>, FwdMainloopSm80<Cfg>>;
+    using Epilogue = FwdEpilogue<Elem, typename Mainloop::QTile, Cfg::kThreads>;
+    CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
+
+    // 1024-byte alignment (the mma.sync path needs 128): wgmma's 128-byte swizzle is anchored at
+    // 1024-byte boundaries, so the wgmma mainloop checks it.
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned smem_q = sm80::smem_addr(smem);
+    Mainloop::check_smem(smem_q);
+
+    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // causal: longest first
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const int row_begin = m_block * kBlockM;
+    const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block
+
+    const typename Cfg::Mask mask{seq.seqlen_q, seq.seqlen_k, params.causal_offset};
+    const typename Cfg::Blocks blocks(mask, m_block);
+    if (blocks.empty()) {  // no row of this block sees any key
+        Epilogue::template store_empty<kBlockM>(params, seq, row_begin);
+        return;
+    }
+
+    float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
+    clear(acc_o);
+    OnlineSoftmax<Cfg::kMTiles> softmax;
+    Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
+    mainloop.run(params, seq, acc_o, softmax);
+
+    float lse[Cfg::kMTiles][2];
+    softmax.finalize(acc_o, fabsf(params.scale), lse);
+    Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, smem_q);
+}
+
+}  // namespace cuflash
