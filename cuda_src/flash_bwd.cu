@@ -45,42 +45,17 @@
 
 #include "cuflash/params.cuh"
 #include "cuflash/mma_sm80.cuh"
+#include "cuflash/numeric.cuh"
+#include "cuflash/tile.cuh"
+#include "cuflash/gemm_sm80.cuh"
 #include "cuflash/mask.cuh"
 #include "cuflash/wgmma_sm90.cuh"
 
 namespace cuflash {
 namespace bwd_sm80 {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // ---------------------------------------------------------------------------------------------------
 // PTX helpers used only by this file.
-
-// 2^x on the MUFU unit (flush-to-zero; 2^-inf = +0).
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// 4-byte global->shared async copy, zero-filling when !valid (lse / softmax_d rows carry no 16-byte
-// alignment guarantee: their row stride is Sq).
-__device__ __forceinline__ void cp_async_4(unsigned smem_dst, const void* gmem_src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                 :: "r"(smem_dst), "l"(gmem_src), "r"(valid ? 4 : 0));
-}
-
-// Shared-memory accesses as volatile asm so that they stay ordered with the (volatile asm) cp.async and
-// ldmatrix touching the same bytes; __syncthreads separates writers from readers of other warps.
-__device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v));
-}
-
-__device__ __forceinline__ float2 ld_shared_f32x2(unsigned addr) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-    return v;
-}
 
 // p[0] += a, p[1] += b in global memory: one vector reduction on sm_90+, two scalar ones before.
 __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
@@ -103,208 +78,6 @@ __device__ __forceinline__ int opaque(int x) {
 // lse = -inf; +inf makes all its P exactly 0 (masked scores give -inf - inf = -inf: still 0).
 __device__ __forceinline__ float lse_log2_offset(float lse) {
     return lse == -INFINITY ? INFINITY : lse * kLog2e;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Swizzled shared-memory tile of kRows x kCols 16-bit elements.
-//
-// A row is kChunks = kCols/8 chunks of 16 bytes. Chunks form aligned groups of kGroup (8 when kChunks is
-// a multiple of 8, else 4):
-//   kGroup 8 (head dims 64, 128, 192, 256; 64- and 128-wide P tiles): the "panel" layout of
-//     cuflash/wgmma_sm90.cuh. Chunk group j (columns 64j .. +64) of every row forms panel j, kRows rows of
-//     128 bytes, and logical chunk c of row r sits at chunk c % 8 ^ r % 8 of its panel row. 8 consecutive
-//     rows at one logical chunk hit 8 distinct 16-byte bank groups, and the layout is the hardware's
-//     128-byte swizzle, so wgmma reads these tiles as they are.
-//   kGroup 4 (head dims 32, 96, 160, 224; 32-wide P tiles): rows of kRowBytes = kChunks*16 bytes, logical
-//     chunk c of row r at (c / 4)*4 + (c % 4 ^ f(r)) with f(r) = (r / 2) % 4. Row r starts in bank group
-//     4*(r % 2); rows 2i and 2i+1 take the two halves and f separates the four pairs.
-// Every ldmatrix below reads 8 rows starting at a multiple of 8 at one logical chunk (conflict free);
-// every cp.async quarter warp writes 8 consecutive chunks; every C-fragment store one chunk of 8 rows.
-template <int kRows_, int kCols_>
-struct SwizzledTile {
-    static constexpr int kRows = kRows_;
-    static constexpr int kCols = kCols_;
-    static_assert(kCols % 32 == 0, "swizzled tile rows must be a multiple of 64 bytes");
-    static constexpr int kChunks = kCols / 8;
-    static constexpr int kGroup = kChunks % 8 == 0 ? 8 : 4;
-    static constexpr int kRowBytes = kGroup == 8 ? 128 : kChunks * 16;          // row to row
-    static constexpr int kGroupBytes = kGroup == 8 ? kRows * 128 : kGroup * 16;  // chunk group to chunk group
-    static constexpr int kBytes = kRows * kChunks * 16;
-
-    static __device__ __forceinline__ unsigned chunk_offset(int row, int chunk) {
-        const int f = kGroup == 8 ? (row & 7) : ((row >> 1) & 3);
-        return static_cast<unsigned>((chunk / kGroup) * kGroupBytes + row * kRowBytes +
-                                     ((chunk ^ f) & (kGroup - 1)) * 16);
-    }
-    static __device__ __forceinline__ unsigned elem_offset(int row, int col) {
-        return chunk_offset(row, col >> 3) + static_cast<unsigned>((col & 7) * 2);
-    }
-};
-
-// A lane's address into a swizzled tile: (row, chunk) with the swizzle applied, where row / chunk are the
-// lane's own row / chunk of an ldmatrix pattern plus warp-uniform offsets. at(dr, dc) addresses
-// (row + dr, chunk + dc) for a compile-time dr that is a multiple of 8 (f does not change) and a
-// compile-time dc such that chunk % kGroup and dc % kGroup have no bit in common and sum to less than
-// kGroup (always true when dc is a multiple of kGroup). The in-group chunk bits then compose by XOR and
-// the rest is an immediate: one LOP3 per ldmatrix. Needs the tile base kGroup*16-byte aligned (shared
-// memory is 128-byte aligned, checked at kernel start; tiles are multiples of 2 KB).
-// Every caller uses chunk = 2*s + (0 or 1), with s < n the warp's slot among n warps that interleave
-// 16-column groups (n = 1 when a warp owns all columns), and dc a multiple of 2n: the condition holds
-// for n = 1, 2 with either kGroup, and for n >= 4 dc is a multiple of kGroup.
-template <typename Tile>
-struct SmemCursor {
-    unsigned addr;
-    __device__ __forceinline__ SmemCursor(unsigned tile, int row, int chunk)
-        : addr(tile + Tile::chunk_offset(row, chunk)) {}
-    __device__ __forceinline__ unsigned at(int dr, int dc) const {
-        return (addr ^ static_cast<unsigned>((dc % Tile::kGroup) * 16)) +
-               static_cast<unsigned>(dr * Tile::kRowBytes + (dc / Tile::kGroup) * Tile::kGroupBytes);
-    }
-};
-
-// The two ldmatrix.x4 lane patterns (lane l gives the row address of row l % 8 of 8x8 matrix l / 8;
-// register i receives matrix i, thread l holding (row l/4, cols 2(l%4), +1) of it, or of its transpose
-// with .trans):
-//   kRowMajorA: matrices (r 0-7, c 0-7), (r 8-15, c 0-7), (r 0-7, c 8-15), (r 8-15, c 8-15).
-//     Non-trans on a [m][k] tile: the A fragment a0..a3 of a 16x16 tile.
-//     .trans on a [k][n] tile: B fragments {b0, b1} of n-tile 0 (regs 0, 1) and of n-tile 1 (regs 2, 3).
-//   kRowMajorB: matrices (r 0-7, c 0-7), (r 0-7, c 8-15), (r 8-15, c 0-7), (r 8-15, c 8-15).
-//     Non-trans on a [n][k] tile: B fragments of n-tile 0 (regs 0, 1) and n-tile 1 (regs 2, 3).
-//     .trans on a [k][m] tile: the A fragment a0..a3 of the 16x16 tile of the transpose.
-// (r = tile row, c = tile column in elements; chunk = c / 8.)
-template <typename Tile>
-__device__ __forceinline__ SmemCursor<Tile> cursor_a(unsigned tile, int row0, int chunk0, int lane) {
-    return SmemCursor<Tile>(tile, row0 + (lane & 7) + ((lane >> 3) & 1) * 8, chunk0 + (lane >> 4));
-}
-
-template <typename Tile>
-__device__ __forceinline__ SmemCursor<Tile> cursor_b(unsigned tile, int row0, int chunk0, int lane) {
-    return SmemCursor<Tile>(tile, row0 + (lane & 7) + (lane >> 4) * 8, chunk0 + ((lane >> 3) & 1));
-}
-
-// Copies a kRows x kCols row-major global tile (row stride in elements) into a swizzled tile with 16-byte
-// cp.async. Rows >= rows_valid and columns >= cols_valid (a multiple of 8) are zero-filled, not read.
-// gmem_tile (row 0, column 0 of the tile) must be in bounds: it is the dummy source of zero-fills.
-template <typename Tile, int kThreads, typename Elem>
-__device__ __forceinline__ void load_tile(unsigned smem_tile, const Elem* gmem_tile, long long row_stride,
-                                          int rows_valid, int cols_valid, int tid) {
-    constexpr int kTotal = Tile::kRows * Tile::kChunks;
-    constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int i = tid + it * kThreads;
-        if (kTotal % kThreads == 0 || i < kTotal) {
-            const int row = i / Tile::kChunks;
-            const int chunk = i % Tile::kChunks;
-            const bool valid = row < rows_valid && chunk * 8 < cols_valid;
-            const Elem* src = valid ? gmem_tile + row * row_stride + chunk * 8 : gmem_tile;
-            sm80::cp_async_16(smem_tile + Tile::chunk_offset(row, chunk), src, valid);
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Warp-level GEMM pieces on the mma.sync C layout (g = lane / 4, t = lane % 4; element e of n-tile nt
-// sits at row g + 8*(e >= 2), column 8*nt + 2t + (e & 1)).
-
-template <typename Elem>
-__device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const unsigned (&a)[4],
-                                         const unsigned (&b)[4]) {
-    const unsigned b0[2] = {b[0], b[1]};
-    const unsigned b1[2] = {b[2], b[3]};
-    sm80::mma_16816<Elem>(c0, a, b0);
-    sm80::mma_16816<Elem>(c1, a, b1);
-}
-
-// C fragments of n-tiles 2kk, 2kk+1 (16 rows x 16 cols) -> the A fragment of k-tile kk:
-// a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..).
-template <typename Elem, int kNTiles>
-__device__ __forceinline__ void c_to_a(unsigned (&a)[4], const float (&c)[kNTiles][4], int kk) {
-    a[0] = ElemTraits<Elem>::pack2(c[2 * kk][0], c[2 * kk][1]);
-    a[1] = ElemTraits<Elem>::pack2(c[2 * kk][2], c[2 * kk][3]);
-    a[2] = ElemTraits<Elem>::pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[3] = ElemTraits<Elem>::pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-}
-
-// A whole C tile (16 x 8*kNTiles) -> the A fragments of its kNTiles/2 k-tiles.
-template <typename Elem, int kNTiles>
-__device__ __forceinline__ void pack_a(unsigned (&a)[kNTiles / 2][4], const float (&c)[kNTiles][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kNTiles / 2; ++kk) c_to_a<Elem>(a[kk], c, kk);
-}
-
-// Stores A fragments of a warp's 16 rows (row0..) x 16*kKTiles columns (from column 0) into a swizzled tile.
-template <typename Tile, int kKTiles>
-__device__ __forceinline__ void store_a_tile(unsigned tile, const unsigned (&a)[kKTiles][4], int row0, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int kk = 0; kk < kKTiles; ++kk) {
-        st_shared_b32(tile + Tile::elem_offset(row0 + g, kk * 16 + 2 * t), a[kk][0]);
-        st_shared_b32(tile + Tile::elem_offset(row0 + g + 8, kk * 16 + 2 * t), a[kk][1]);
-        st_shared_b32(tile + Tile::elem_offset(row0 + g, kk * 16 + 8 + 2 * t), a[kk][2]);
-        st_shared_b32(tile + Tile::elem_offset(row0 + g + 8, kk * 16 + 8 + 2 * t), a[kk][3]);
-    }
-}
-
-// Stores a warp's C tile (16 rows from row0, 8*kNTiles columns from col0) as Elem into a swizzled tile.
-template <typename Elem, typename Tile, int kNTiles>
-__device__ __forceinline__ void store_c_tile(unsigned tile, const float (&c)[kNTiles][4], int row0, int col0,
-                                             int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-        const int col = col0 + nt * 8 + 2 * t;
-        st_shared_b32(tile + Tile::elem_offset(row0 + g, col), ElemTraits<Elem>::pack2(c[nt][0], c[nt][1]));
-        st_shared_b32(tile + Tile::elem_offset(row0 + g + 8, col), ElemTraits<Elem>::pack2(c[nt][2], c[nt][3]));
-    }
-}
-
-// acc (16 x 8*kNTiles) += A (16 x kK) . B^T, both operands stored K-contiguous: a_cur = cursor_a on the
-// A tile at the warp's 16 rows, b_cur = cursor_b on the B tile at the warp's first n row.
-template <typename Elem, int kK, int kNTiles, typename TileA, typename TileB>
-__device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], const SmemCursor<TileA>& a_cur,
-                                         const SmemCursor<TileB>& b_cur) {
-    static_assert(kK % 16 == 0 && kNTiles % 2 == 0, "gemm_abt works on 16 x 16 steps");
-#pragma unroll
-    for (int kt = 0; kt < kK / 16; ++kt) {
-        unsigned a[4];
-        sm80::ldmatrix_x4(a, a_cur.at(0, 2 * kt));
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned b[4];
-            sm80::ldmatrix_x4(b, b_cur.at(16 * np, 2 * kt));
-            mma_pair<Elem>(acc[2 * np], acc[2 * np + 1], a, b);
-        }
-    }
-}
-
-// acc (16 x 8*kNTiles) += A (16 x 16*kKTiles) . B, B stored [k][n] and read with .trans: b_cur = cursor_a
-// on the B tile at k row 0 and the warp's first n chunk; n-tile pair np lives kPairStride chunks after
-// pair np - 1 (2 when a warp owns contiguous columns, 2*kWarpsD when warps interleave 16-column groups).
-// a_frag(kk, a) yields the A fragment of k-tile kk (from registers or from shared memory).
-template <typename Elem, int kKTiles, int kNTiles, int kPairStride, typename TileB, typename AFrag>
-__device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], AFrag&& a_frag, const SmemCursor<TileB>& b_cur) {
-    static_assert(kNTiles % 2 == 0, "gemm_ab works on pairs of n-tiles");
-#pragma unroll
-    for (int kk = 0; kk < kKTiles; ++kk) {
-        unsigned a[4];
-        a_frag(kk, a);
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned b[4];
-            sm80::ldmatrix_x4_trans(b, b_cur.at(16 * kk, kPairStride * np));
-            mma_pair<Elem>(acc[2 * np], acc[2 * np + 1], a, b);
-        }
-    }
-}
-
-template <int kNTiles>
-__device__ __forceinline__ void clear(float (&acc)[kNTiles][4]) {
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -352,9 +125,9 @@ struct DkdvTraits {
     static constexpr bool kHasP = kWarpsD > 1 && !kShareP;
     static constexpr bool kHasDs = kWarpsD > 1 || kAtomicDq;
 
-    using TileK = SwizzledTile<kBlockN, kHeadDim>;   // K, V
-    using TileQ = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO
-    using TileP = SwizzledTile<kBlockN, kBlockM>;    // P^T, dS^T ([key][query])
+    using TileK = PanelTile<kBlockN, kHeadDim>;   // K, V
+    using TileQ = PanelTile<kBlockM, kHeadDim>;   // Q, dO
+    using TileP = PanelTile<kBlockN, kBlockM>;    // P^T, dS^T ([key][query])
 
     static constexpr int kOffK = 0;
     static constexpr int kOffV = kOffK + TileK::kBytes;
@@ -382,9 +155,9 @@ struct DqTraits {
     static_assert(kWarpsD == 1 || kWarpsD == 2, "the head dim is split over at most 2 warps");
     static_assert(kNPerWarp % 16 == 0 && kDPerWarp % 16 == 0, "bad dQ warp layout");
 
-    using TileQ = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO
-    using TileK = SwizzledTile<kBlockN, kHeadDim>;   // K, V
-    using TileS = SwizzledTile<kBlockM, kBlockN>;    // dS ([query][key]) when the head dim is split
+    using TileQ = PanelTile<kBlockM, kHeadDim>;   // Q, dO
+    using TileK = PanelTile<kBlockN, kHeadDim>;   // K, V
+    using TileS = PanelTile<kBlockM, kBlockN>;    // dS ([query][key]) when the head dim is split
 
     static constexpr int kOffQ = 0;
     static constexpr int kOffDo = kOffQ + TileQ::kBytes;
@@ -600,6 +373,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         return kWgmma ? d_split * Traits::kDPerWarp + nt * 8 : ((nt / 2) * kWarpsD + d_split) * 16 + (nt & 1) * 8;
     };
 
+    CUFLASH_CHECK_SMEM_BYTES(Traits::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_sm80_smem);
     check_smem<Traits::kSmemBytes, kWgmma ? 1024u : 128u>(smem);
     const unsigned s_k = smem + Traits::kOffK;
@@ -651,9 +425,9 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
                             hh * params.q_head_stride + q0 * params.q_row_stride;
         const Elem* do_ptr = static_cast<const Elem*>(params.dout) + bb * params.do_batch_stride +
                              hh * params.do_head_stride + q0 * params.do_row_stride;
-        load_tile<TileQ, kThreads>(smem + Traits::kOffQ + stage * TileQ::kBytes, q_ptr, params.q_row_stride, rows,
+        copy_tile_flat<TileQ, kThreads>(smem + Traits::kOffQ + stage * TileQ::kBytes, q_ptr, params.q_row_stride, rows,
                                    params.head_dim, tt);
-        load_tile<TileQ, kThreads>(smem + Traits::kOffDo + stage * TileQ::kBytes, do_ptr, params.do_row_stride,
+        copy_tile_flat<TileQ, kThreads>(smem + Traits::kOffDo + stage * TileQ::kBytes, do_ptr, params.do_row_stride,
                                    rows, params.head_dim_v, tt);
         const float* lse_ptr = params.lse + bb * params.lse_batch_stride + hh * params.lse_head_stride + q0;
         const float* dsum_ptr =
@@ -671,8 +445,8 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
                             hk * params.k_head_stride + key0 * params.k_row_stride;
         const Elem* v_ptr = static_cast<const Elem*>(params.v) + b * params.v_batch_stride +
                             hk * params.v_head_stride + key0 * params.v_row_stride;
-        load_tile<TileK, kThreads>(s_k, k_ptr, params.k_row_stride, seqlen_k - key0, params.head_dim, tid);
-        load_tile<TileK, kThreads>(s_v, v_ptr, params.v_row_stride, seqlen_k - key0, params.head_dim_v, tid);
+        copy_tile_flat<TileK, kThreads>(s_k, k_ptr, params.k_row_stride, seqlen_k - key0, params.head_dim, tid);
+        copy_tile_flat<TileK, kThreads>(s_v, v_ptr, params.v_row_stride, seqlen_k - key0, params.head_dim_v, tid);
         load_query_block(m_first, 0, b, h, tid);
         sm80::cp_async_commit();
     }
@@ -740,7 +514,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
             const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);
             const float lse2[2] = {lse_log2_offset(l.x), lse_log2_offset(l.y)};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2_approx(acc_s[nt][e] * scale_log2 - lse2[e & 1]);
+            for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(acc_s[nt][e] * scale_log2 - lse2[e & 1]);
         }
 
         // dP^T = V . dO^T, then dS^T = P^T o (dP^T - D) in place.
@@ -944,6 +718,7 @@ flash_bwd_dq_kernel(const AttnParams params) {
     constexpr int kNTiles = Traits::kNPerWarp / 8;   // n-tiles of the warp's S rows
     constexpr int kDTiles = Traits::kDPerWarp / 8;   // n-tiles of the warp's dQ rows
 
+    CUFLASH_CHECK_SMEM_BYTES(Traits::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_sm80_smem);
     check_smem<Traits::kSmemBytes>(smem);
     const unsigned s_q = smem + Traits::kOffQ;
@@ -987,9 +762,9 @@ flash_bwd_dq_kernel(const AttnParams params) {
                             hh * params.k_head_stride + k0 * params.k_row_stride;
         const Elem* v_ptr = static_cast<const Elem*>(params.v) + bb * params.v_batch_stride +
                             hh * params.v_head_stride + k0 * params.v_row_stride;
-        load_tile<TileK, kThreads>(smem + Traits::kOffK + stage * TileK::kBytes, k_ptr, params.k_row_stride,
+        copy_tile_flat<TileK, kThreads>(smem + Traits::kOffK + stage * TileK::kBytes, k_ptr, params.k_row_stride,
                                    seqlen_k - k0, params.head_dim, tt);
-        load_tile<TileK, kThreads>(smem + Traits::kOffV + stage * TileK::kBytes, v_ptr, params.v_row_stride,
+        copy_tile_flat<TileK, kThreads>(smem + Traits::kOffV + stage * TileK::kBytes, v_ptr, params.v_row_stride,
                                    seqlen_k - k0, params.head_dim_v, tt);
     };
 
@@ -998,8 +773,8 @@ flash_bwd_dq_kernel(const AttnParams params) {
                             h * params.q_head_stride + query0 * params.q_row_stride;
         const Elem* do_ptr = static_cast<const Elem*>(params.dout) + b * params.do_batch_stride +
                              h * params.do_head_stride + query0 * params.do_row_stride;
-        load_tile<TileQ, kThreads>(s_q, q_ptr, params.q_row_stride, seqlen_q - query0, params.head_dim, tid);
-        load_tile<TileQ, kThreads>(s_do, do_ptr, params.do_row_stride, seqlen_q - query0, params.head_dim_v, tid);
+        copy_tile_flat<TileQ, kThreads>(s_q, q_ptr, params.q_row_stride, seqlen_q - query0, params.head_dim, tid);
+        copy_tile_flat<TileQ, kThreads>(s_do, do_ptr, params.do_row_stride, seqlen_q - query0, params.head_dim_v, tid);
         load_key_block(n_begin, 0, b, hk, tid);
         sm80::cp_async_commit();
     }
@@ -1031,7 +806,7 @@ flash_bwd_dq_kernel(const AttnParams params) {
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = exp2_approx(acc_s[0][nt][e] * scale_log2 - lse2[e >> 1]);
+            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = fast_exp2(acc_s[0][nt][e] * scale_log2 - lse2[e >> 1]);
         }
 
         // dP = dO . V^T, dS = P o (dP - D) in place.

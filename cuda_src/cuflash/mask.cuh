@@ -9,14 +9,9 @@
 // `visible` and the block ranges below; the mainloops do not change.
 #pragma once
 
-// NVRTC has no <math.h>: the shared headers define INFINITY themselves (same definition everywhere).
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+#include "cuflash/numeric.cuh"
 
 namespace cuflash {
-
-__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 template <bool kIsCausal>
 struct AttnMask {
@@ -52,6 +47,18 @@ struct AttnMask {
             const int first_row = n_block * kBlockN - causal_offset;  // first row seeing this block
             m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
         }
+    }
+
+    // Key blocks below the returned index are visible to every row of query block m_block (no per-element
+    // test needed): inside the keys and, for causal, left of the diagonal of the block's first row.
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ int key_interior_end(int m_block) const {
+        int end = seqlen_k / kBlockN;
+        if (kIsCausal) {
+            const int first_row_last_col = m_block * kBlockM + causal_offset;  // last key row 0 sees
+            end = min(end, first_row_last_col < 0 ? 0 : (first_row_last_col + 1) / kBlockN);
+        }
+        return end;
     }
 
     // True when the tile [row0, row0+rows) x [col0, col0+cols) may contain an invisible pair.

@@ -16,21 +16,12 @@
 // p = exp2(-inf) = 0 and finalize sees l == 0: output 0, lse = -inf, no NaN anywhere.
 // Requires scale_log2 > 0, so that the max of the raw scores is also the max of the scaled ones
 // and -inf * scale_log2 stays -inf; a mainloop maps a negative scale onto -Q and a zero one onto
-// the smallest normal float (flash_fwd_sm80.cu).
+// the smallest normal float (flash_fwd.cu).
 #pragma once
 
-#ifndef INFINITY  // NVRTC has no <math.h>
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+#include "cuflash/numeric.cuh"
 
 namespace cuflash {
-
-// 2^x on the special-function unit; ftz is harmless here (p underflowing to 0 is what softmax wants).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // A running maximum that is still -inf (no visible key yet) is used as 0 in exponent offsets.
 __device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
@@ -65,15 +56,15 @@ struct OnlineSoftmax {
         }
     }
 
-    // Folds one block of raw (unscaled, masked to -inf) scores into the running statistics:
-    // acc_s is overwritten with p = exp(scale * (s - m_new)) (fp32, not yet normalized) and acc_o
-    // is rescaled to the new maximum. The rescale is skipped when no row of the warp changed its
-    // maximum (ratio exactly 1), which is most steps once the maxima settle.
-    template <int kNTiles, int kDTiles>
-    __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4],
-                                           float (&acc_o)[kMTiles][kDTiles][4], float scale_log2) {
-        // 1. New maxima; l and (if any row's maximum moved) acc_o scaled by exp(scale*(m_old - m_new)).
-        float ratio[kMTiles][2];
+    // The three steps of folding one block of raw (unscaled, masked to -inf) scores into the running
+    // statistics. update() chains them; a mainloop whose acc_o is still being written by an asynchronous
+    // GEMM (the wgmma forward) runs max_step and exp_step first and rescale once the GEMM is done.
+
+    // 1. New maxima m_new = max(m, rowmax(s)); ratio = exp(scale * (m_old - m_new)) per row, l scaled by
+    // it. Returns true when no row of this thread changed its maximum (every ratio exactly 1).
+    template <int kNTiles>
+    __device__ __forceinline__ bool max_step(const float (&acc_s)[kMTiles][kNTiles][4], float (&ratio)[kMTiles][2],
+                                             float scale_log2) {
         bool unchanged = true;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -95,6 +86,14 @@ struct OnlineSoftmax {
                 row_sum[mt][half] *= ratio[mt][half];
             }
         }
+        return unchanged;
+    }
+
+    // 2. acc_o *= ratio of its row, skipped (warp-uniformly) when no row of the warp changed its maximum,
+    // which is most steps once the maxima settle.
+    template <int kDTiles>
+    static __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kDTiles][4], const float (&ratio)[kMTiles][2],
+                                                   bool unchanged) {
         if (!__all_sync(0xffffffffu, unchanged)) {  // warp-uniform branch
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
@@ -105,8 +104,13 @@ struct OnlineSoftmax {
                 }
             }
         }
-        // 2. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score. Masked scores
-        // (-inf) give p = 0; for a row with no visible key the offset is 0, so p = 0 there as well.
+    }
+
+    // 3. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score, written over acc_s (fp32,
+    // not yet normalized), and l += rowsum(p). Masked scores (-inf) give p = 0; for a row with no visible key
+    // the offset is 0, so p = 0 there as well.
+    template <int kNTiles>
+    __device__ __forceinline__ void exp_step(float (&acc_s)[kMTiles][kNTiles][4], float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -125,6 +129,16 @@ struct OnlineSoftmax {
                 row_sum[mt][half] += sum;
             }
         }
+    }
+
+    // All three steps, for a mainloop that owns acc_o synchronously.
+    template <int kNTiles, int kDTiles>
+    __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4],
+                                           float (&acc_o)[kMTiles][kDTiles][4], float scale_log2) {
+        float ratio[kMTiles][2];
+        const bool unchanged = max_step(acc_s, ratio, scale_log2);
+        rescale(acc_o, ratio, unchanged);
+        exp_step(acc_s, scale_log2);
     }
 
     // Divides acc_o by l and returns lse = m*scale + log(l) per row (-inf, with acc_o = 0, for a

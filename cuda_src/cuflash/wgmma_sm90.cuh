@@ -5,7 +5,7 @@
 // stored as C/64 panels of R rows x 128 bytes; 16-byte chunk c of row r of a panel sits at chunk
 // c ^ (r % 8). That is the hardware's 128-byte swizzle when each panel starts 1024-byte aligned, and
 // it is also conflict-free for ldmatrix / cp.async / 4-byte C-fragment stores (SwizzledTile in
-// flash_bwd_sm80.cu uses the same layout, so the mma.sync and wgmma paths share one smem layout).
+// cuflash/tile.cuh, kGroup 8, is the same layout, so the mma.sync and wgmma paths share one smem layout).
 //
 // A tile is read two ways:
 //   K-major  (rows = M or N, columns = K): S = Q.K^T-style operands. A 16-wide k-step is a 32-byte

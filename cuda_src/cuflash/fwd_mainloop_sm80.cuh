@@ -1,0 +1,204 @@
+// Forward mainloop parts shared by both arches (FwdConfig, FwdLoads: the load side), and the sm_80+
+// mma.sync mainloop (FwdMainloopSm80).
+//
+// Interface of a forward mainloop Mainloop<Cfg> (FwdMainloopSm90 has the same one):
+//   Mainloop::Tile                 the Q / K / V shared-memory tile layout it wants
+//   Mainloop::kSmemBytes           its dynamic shared memory
+//   Mainloop::check_smem(smem)     traps on a launch it cannot run with (size, alignment)
+//   Mainloop(params, seq, blocks, smem, row_begin)
+//   load side:    FwdLoads::load_q / load_k(j) / load_v(j): one cp.async group per call, uniform per
+//                 thread (a future TMA producer warp replaces these with mbarrier-completed bulk copies)
+//   compute side: run(acc_o, softmax): walks every visible key block (blocks.count() steps, masked phase
+//                 first) and leaves acc_o un-normalized in the C-fragment layout, Q's shared memory free
+//                 for the epilogue.
+#pragma once
+
+#include "cuflash/params.cuh"
+#include "cuflash/mma_sm80.cuh"
+#include "cuflash/tile.cuh"
+#include "cuflash/gemm_sm80.cuh"
+#include "cuflash/seqlen.cuh"
+#include "cuflash/mask.cuh"
+#include "cuflash/block.cuh"
+#include "cuflash/score_mod.cuh"
+#include "cuflash/softmax.cuh"
+
+namespace cuflash {
+
+// The forward's compile-time shape, from the kernel's template arguments.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kIsCausal_>
+struct FwdConfig {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_, kStages = kStages_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kWarpRows = kBlockM / kNWarps;  // query rows a warp owns
+    static constexpr int kMTiles = kWarpRows / 16;
+    static constexpr int kNTiles = kBlockN / 8;          // score columns, in mma n8 tiles
+    static constexpr int kDTiles = kHeadDim / 8;         // output columns, in mma n8 tiles
+    static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
+    static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
+    using Mask = AttnMask<kIsCausal>;
+    using Blocks = KeyBlocks<kBlockM, kBlockN>;
+    using ScoreMod = IdentityScoreMod;
+    static_assert(sizeof(Elem) == 2, "the tensor-core forward takes fp16 or bf16");
+    static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
+    static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
+    static_assert(kStages >= 1, "at least one K and one V buffer");
+    static_assert((kBlockM & (kBlockM - 1)) == 0 && (kBlockN & (kBlockN - 1)) == 0, "power-of-two tiles");
+};
+
+// The load side: Q once, then K / V of step j (key block blocks.block(j)) into slot j % kSlots. Each
+// load_k / load_v commits one cp.async group, empty when step j does not exist, so every thread commits
+// the same groups and the mainloops' wait counts hold for every step.
+template <typename Cfg, typename Tile_, int kSlots>
+struct FwdLoads {
+    using Elem = typename Cfg::Elem;
+    using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
+    using KVTile = Tile_;
+    const AttnParams& params;
+    const Elem* k_src;
+    const Elem* v_src;
+    unsigned smem_k, smem_v;
+    int n_end, n_blocks;
+
+    __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks,
+                                        unsigned smem_q)
+        : params(p), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
+          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), n_end(blocks.n_end), n_blocks(blocks.count()) {}
+
+    __device__ __forceinline__ void load_q(unsigned smem_q, const SeqInfo& seq, int row_begin) const {
+        load_tile<QTile, Cfg::kThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
+                                                         seq.seqlen_q, params.head_dim, params.q);
+    }
+    __device__ __forceinline__ void load_k(int j) const {
+        if (j < n_blocks) {
+            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem_k + (j % kSlots) * KVTile::kBytes, k_src,
+                                                              params.k_row_stride, (n_end - 1 - j) * Cfg::kBlockN,
+                                                              params.seqlen_k, params.head_dim, params.k);
+        }
+        sm80::cp_async_commit();
+    }
+    __device__ __forceinline__ void load_v(int j) const {
+        if (j < n_blocks) {
+            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem_v + (j % kSlots) * KVTile::kBytes, v_src,
+                                                              params.v_row_stride, (n_end - 1 - j) * Cfg::kBlockN,
+                                                              params.seqlen_k, params.head_dim_v, params.v);
+        }
+        sm80::cp_async_commit();
+    }
+};
+
+constexpr unsigned kSignBits2 = 0x80008000u;  // the sign bits of two packed fp16 / bf16
+
+// Flips the sign of every element of a tile (bytes a multiple of 16), all threads sharing the work.
+template <int kBytes, int kThreads>
+__device__ __forceinline__ void negate_tile(unsigned tile) {
+    for (int idx = threadIdx.x; idx < kBytes / kChunkBytes; idx += kThreads) {
+        const unsigned addr = tile + idx * kChunkBytes;
+        uint4 v = ld_shared_b128(addr);
+        v.x ^= kSignBits2;
+        v.y ^= kSignBits2;
+        v.z ^= kSignBits2;
+        v.w ^= kSignBits2;
+        st_shared_b128(addr, v);
+    }
+}
+
+// The online softmax wants scale > 0 (softmax.cuh). A negative scale is |scale| applied to -Q: flip Q's
+// sign bits once, in shared memory, as soon as Q has landed (the loop's first barrier publishes the flip).
+// A zero scale becomes the smallest normal float, which keeps every finite exponent at 0 while masked
+// scores stay -inf (0 * -inf would be NaN); lse still uses 0. kYoungerGroups: cp.async groups committed
+// after the one holding Q.
+template <typename QTile, int kThreads, int kYoungerGroups>
+__device__ __forceinline__ float positive_scale_log2(const AttnParams& params, unsigned smem_q) {
+    constexpr float kMinScaleLog2 = 1.17549435e-38f;  // smallest normal float
+    const float scale_log2 = fmaxf(fabsf(params.scale_log2), kMinScaleLog2);
+    if (params.scale < 0.f) {
+        sm80::cp_async_wait<kYoungerGroups>();  // the group of Q (and K0) landed for this thread ...
+        __syncthreads();                        // ... and for all
+        negate_tile<QTile::kBytes, kThreads>(smem_q);
+    }
+    return scale_log2;
+}
+
+// mma.sync m16n8k16 with Q / K / V fragments by ldmatrix from narrow-panel tiles (cuflash/tile.cuh).
+// Shared memory: Q (kBlockM x kHeadDim), then kStages K tiles, then kStages V tiles (kBlockN x kHeadDim).
+// Pipeline (cp.async groups, committed in the order K0 V0 K1 V1 ...). Step j handles key block
+// blocks.block(j) (masked phase first) in slot j % kStages:
+//   wait K_j; barrier (everyone done with P.V of step j-1) -> issue V_{j+kStages-1};  S = Q.K_j^T
+//   wait V_j; barrier (everyone done with Q.K_j^T)          -> issue K_{j+kStages};   softmax; P.V_j
+// With kStages = 1 this is FlashAttention-2's overlap: V_j loads under Q.K_j^T, K_{j+1} under the
+// softmax and P.V_j. With kStages >= 2 each load has a whole step or more to land. Every warp's last
+// ldmatrix of Q precedes the last __syncthreads, so the epilogue may reuse Q's shared memory.
+template <typename Cfg>
+struct FwdMainloopSm80 {
+    using Elem = typename Cfg::Elem;
+    using Tile = NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>;
+    using Loads = FwdLoads<Cfg, Tile, Cfg::kStages>;
+    using QTile = typename Loads::QTile;
+    static constexpr int kStages = Cfg::kStages;
+    static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * Tile::kBytes;
+    static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
+
+    static __device__ __forceinline__ void check_smem(unsigned smem_q) {
+        if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
+    }
+
+    Loads loads;
+    const typename Cfg::Blocks& blocks;
+    const typename Cfg::Mask& mask;
+    unsigned smem_q;
+    int row_begin, warp_row0;
+
+    __device__ __forceinline__ FwdMainloopSm80(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
+                                               const typename Cfg::Mask& m, unsigned smem, int row_begin_,
+                                               int warp_row0_)
+        : loads(p, seq, b, smem), blocks(b), mask(m), smem_q(smem), row_begin(row_begin_), warp_row0(warp_row0_) {}
+
+    // Prologue: groups K0 (with Q), V0, K1, V1, ..., V_{kStages-2}, K_{kStages-1}: 2*kStages-1 groups.
+    // Later steps commit V_{j+kStages-1} and K_{j+kStages}, keeping the order K0 V0 K1 V1 ...: when step
+    // j waits for K_j (group 2j) or V_j (group 2j+1), exactly 2*kStages-2 younger groups exist.
+    __device__ __forceinline__ void run(const AttnParams& params, const SeqInfo& seq, float (&acc_o)[kMTiles][kDTiles][4],
+                                        OnlineSoftmax<kMTiles>& softmax) {
+        loads.load_q(smem_q, seq, row_begin);
+        loads.load_k(0);
+#pragma unroll
+        for (int s = 0; s + 1 < kStages; ++s) {
+            loads.load_v(s);
+            loads.load_k(s + 1);
+        }
+        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2>(params, smem_q);
+
+        const LdmatrixLanes lanes(threadIdx.x % 32);
+        const unsigned q_warp = smem_q + warp_row0 * QTile::kPanelRowBytes;
+        const typename Cfg::ScoreMod score_mod;
+        for (int j = 0; j < blocks.count(); ++j) {
+            const int n = blocks.block(j);
+            const unsigned slot = kStages == 1 ? 0u : unsigned(j % kStages) * Tile::kBytes;
+
+            sm80::cp_async_wait<2 * kStages - 2>();  // K_j (and Q) landed for this thread ...
+            __syncthreads();                         // ... and for all; everyone finished P.V_{j-1}
+            loads.load_v(j + kStages - 1);           // into the V slot P.V_{j-1} just released
+
+            float acc_s[kMTiles][kNTiles][4];
+            gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, loads.smem_k + slot, lanes);
+            const int warp_row_begin = row_begin + warp_row0;
+            score_mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+            if (mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN)) {
+                mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+            }
+
+            sm80::cp_async_wait<2 * kStages - 2>();  // V_j landed for this thread ...
+            __syncthreads();                         // ... and for all; everyone finished Q.K_j^T
+            loads.load_k(j + kStages);               // into the K slot Q.K_j^T just released
+
+            softmax.update(acc_s, acc_o, scale_log2);
+            gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, loads.smem_v + slot, lanes);
+        }
+        sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,23 @@
+// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2, ceil_div.
+// NVRTC has no <math.h>, hence no INFINITY macro of its own; this is the only definition.
+#pragma once
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace cuflash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ __forceinline__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// 2^x on the special-function unit (MUFU.EX2), flush-to-zero: 2^-inf = +0, and a p underflowing to 0 is
+// what both the softmax and the backward's P recomputation want.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+}  // namespace cuflash
