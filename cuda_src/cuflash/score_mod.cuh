@@ -23,8 +23,10 @@ struct IdentityScoreMod {
     __device__ __forceinline__ void grad_transposed(float (&)[kNTiles][4], int /*key0*/, int /*query0*/) const {}
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void grad(float (&)[kMTiles][kNTiles][4], int /*row0*/, int /*col0*/) const {}
-    // One score (SIMT kernels).
+    // One score (SIMT kernels): the modified score, and dS w.r.t. the raw score from dS w.r.t. the
+    // modified one (given the raw score, which the backward recomputes).
     __device__ __forceinline__ float apply_one(float s, int /*row*/, int /*col*/) const { return s; }
+    __device__ __forceinline__ float grad_one(float ds, float /*raw_s*/, int /*row*/, int /*col*/) const { return ds; }
 };
 
 }  // namespace cuflash
