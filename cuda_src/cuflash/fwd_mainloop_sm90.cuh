@@ -168,16 +168,4 @@ struct FwdMainloopSm90 {
     }
 };
 
-// The mainloop of each arch, by a trait (NVRTC has no <type_traits>).
-template <bool kCond, typename IfTrue, typename IfFalse>
-struct Conditional {
-    using type = IfTrue;
-};
-template <typename IfTrue, typename IfFalse>
-struct Conditional<false, IfTrue, IfFalse> {
-    using type = IfFalse;
-};
-template <bool kCond, typename IfTrue, typename IfFalse>
-using conditional_t = typename Conditional<kCond, IfTrue, IfFalse>::type;
-
 }  // namespace cuflash

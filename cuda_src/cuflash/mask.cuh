@@ -85,6 +85,25 @@ struct AttnMask {
             }
         }
     }
+
+    // The transposed form (the dK/dV kernels' S^T: rows are keys, columns queries), which also hides
+    // queries >= rows_valid (the backward's zero-filled rows past Sq carry no lse to zero them):
+    // element e of n-tile nt of a lane sits at key = key_row + (e >= 2 ? 8 : 0) and query = query_col +
+    // nt*8 + (e & 1), with key_row / query_col the lane's own first key / query.
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
+                                                     int rows_valid) const {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key_row + (e >= 2 ? 8 : 0);
+                const int query = query_col + nt * 8 + (e & 1);
+                const bool ok = (query < rows_valid) & visible(query, key);
+                acc[nt][e] = ok ? acc[nt][e] : -INFINITY;
+            }
+        }
+    }
 };
 
 }  // namespace cuflash

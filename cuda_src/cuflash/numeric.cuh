@@ -1,4 +1,5 @@
-// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2, ceil_div.
+// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2, ceil_div; and
+// conditional_t, the trait that picks a kernel's mainloop per arch.
 // NVRTC has no <math.h>, hence no INFINITY macro of its own; this is the only definition.
 #pragma once
 
@@ -19,5 +20,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+
+// The mainloop of each arch, by a trait (NVRTC has no <type_traits>).
+template <bool kCond, typename IfTrue, typename IfFalse>
+struct Conditional {
+    using type = IfTrue;
+};
+template <typename IfTrue, typename IfFalse>
+struct Conditional<false, IfTrue, IfFalse> {
+    using type = IfFalse;
+};
+template <bool kCond, typename IfTrue, typename IfFalse>
+using conditional_t = typename Conditional<kCond, IfTrue, IfFalse>::type;
 
 }  // namespace cuflash

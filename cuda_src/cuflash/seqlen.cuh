@@ -5,7 +5,7 @@
 //
 // It holds only the indices and lengths (a few registers); the offsets are formed where a pointer is
 // needed. Kernels that keep registers scarce build it from opaque copies of (b, h) inside their loops so
-// nothing derived from it is hoisted and kept live (flash_bwd.cu).
+// nothing derived from it is hoisted and kept live (cuflash/dkdv_mainloop.cuh).
 //
 // Batched layout today (cuda_src/cuflash/params.cuh): row r of (b, h) of q is
 //   q + b * q_batch_stride + h * q_head_stride + r * q_row_stride,

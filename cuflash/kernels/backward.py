@@ -10,7 +10,7 @@ per QUERY head (so MQA still fills the GPU), writes fp32 per-query-head partials
 each group in a fixed order. With ``deterministic=True`` no kernel uses float atomics, so two runs are
 bit-identical.
 
-Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvTraits`` / ``DqTraits``
+Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvConfig`` / ``DqConfig``
 layouts in the source. The build compiles each variant with ``-DCUFLASH_EXPECTED_SMEM_BYTES=<smem_bytes>``,
 which the kernel's ``CUFLASH_CHECK_SMEM_BYTES`` static_asserts against its layout: a drifted formula fails
 the compile, on the CPU.
@@ -181,7 +181,7 @@ def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
 
 
 def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, atomic_dq: bool) -> int:
-    """Mirror of ``DkdvTraits::kSmemBytes``.
+    """Mirror of ``DkdvConfig::kSmemBytes`` (cuda_src/cuflash/bwd_config.cuh).
 
     K, V: block_n x head_dim each; Q, dO: block_m x head_dim, two stages each; P^T and dS^T tiles
     (block_n x block_m) when the head dim is split across warps (dS^T also for the atomic dQ step; one
@@ -198,7 +198,7 @@ def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, a
 
 
 def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
-    """Mirror of ``DqTraits::kSmemBytes``: Q, dO once; K, V two stages each; a dS tile (block_m x
+    """Mirror of ``DqConfig::kSmemBytes``: Q, dO once; K, V two stages each; a dS tile (block_m x
     block_n) when the head dim is split across warps."""
     warps_d = num_warps // (block_m // 16)
     tile_q = block_m * head_dim * ELEM_BYTES

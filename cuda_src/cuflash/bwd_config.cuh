@@ -1,0 +1,181 @@
+// The tensor-core backward's compile-time shapes (one config per kernel family, from the kernel's template
+// arguments: cuflash/kernels/backward.py renders the same fields), its shared-memory layouts, the warp
+// roles, and the few scalar helpers every backward part uses.
+//
+// Shared-memory layouts: cuflash/kernels/backward.py (dkdv_smem_bytes, dq_smem_bytes) states the same
+// sizes as formulas; the build passes them as CUFLASH_EXPECTED_SMEM_BYTES and each kernel checks its
+// config's kSmemBytes against it with CUFLASH_CHECK_SMEM_BYTES, so a drifted formula fails the compile.
+#pragma once
+
+#include "cuflash/params.cuh"
+#include "cuflash/mma_sm80.cuh"
+#include "cuflash/numeric.cuh"
+#include "cuflash/tile.cuh"
+#include "cuflash/mask.cuh"
+#include "cuflash/block.cuh"
+#include "cuflash/score_mod.cuh"
+
+namespace cuflash {
+
+// Returns x unchanged, but the compiler can no longer see where it came from, so nothing derived from
+// it is hoisted out of the loop that calls this. The backward's accumulators fill ~192 of 255 registers
+// at head dim 128: per-lane addresses and pointers are rebuilt each iteration from opaque indices
+// (one XOR and an immediate per ldmatrix, a few IMADs per load) instead of being kept live and spilled.
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+// lse (natural log) -> the log2-domain offset subtracted inside exp2. A row that sees no key has
+// lse = -inf; +inf makes all its P exactly 0 (masked scores give -inf - inf = -inf: still 0).
+__device__ __forceinline__ float lse_log2_offset(float lse) {
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// p[0] += a, p[1] += b in global memory: one vector reduction on sm_90+, two scalar ones before.
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+// Traps unless the launch gave at least kBytes of dynamic shared memory at a kAlign-byte aligned address
+// (the cursors' XOR addressing relies on 128 bytes, wgmma's 128-byte swizzle on 1024).
+template <int kBytes, unsigned kAlign>
+__device__ __forceinline__ void check_bwd_smem(unsigned smem) {
+    if (sm80::dynamic_smem_bytes() < static_cast<unsigned>(kBytes) || (smem & (kAlign - 1)) != 0) __trap();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Warp layout of the atomic dQ step of the mma.sync dK/dV mainloop: dQ (kBlockM x kHeadDim) = dS
+// (kBlockM x kBlockN) . K (kBlockN x kHeadDim) over warps_m x warps_d warps, each owning m_tiles 16-row
+// tiles and n_tiles / 2 16-column groups, interleaved (m-tile i of warp wm is row tile i*warps_m + wm;
+// group j of warp wd is columns (j*warps_d + wd)*16 ..) so every cursor offset composes by XOR. When
+// warps_d does not divide the kHeadDim / 16 groups, the last round leaves some warps idle. Per 16-key step
+// a warp loads m_tiles A and n_tiles / 2 B fragments: the cheapest split wins.
+struct DqWarpLayout {
+    int warps_m, m_tiles, warps_d, n_tiles;
+};
+
+__host__ __device__ constexpr DqWarpLayout choose_dq_layout(int block_m, int head_dim, int warps) {
+    DqWarpLayout best{0, 0, 0, 0};
+    int best_cost = 1 << 30;
+    for (int wm = 1; wm <= warps; wm *= 2) {
+        if (warps % wm != 0 || block_m % (16 * wm) != 0) continue;
+        const int wd = warps / wm;
+        const int mt = block_m / (16 * wm);
+        const int pairs = (head_dim / 16 + wd - 1) / wd;
+        const int cost = mt + pairs;
+        if (cost <= best_cost) {  // ties: the later (fewer m_tiles) holds fewer A registers
+            best_cost = cost;
+            best = DqWarpLayout{wm, mt, wd, 2 * pairs};
+        }
+    }
+    return best;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// dK/dV kernel: one CTA owns kBlockN keys (resident K, V) of one query head and streams the query blocks
+// that see them (Q, dO, lse, D double-buffered). Warp w owns keys (w % kWarpsN)*16 .. +16; with
+// kWarpsD = 2 the two warps of a key group (d_split = w / kWarpsN) take query halves of S^T and halves of
+// the head-dim columns of dK / dV (which halves: the mainloop's dkdv_col0).
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsCausal_, bool kAtomicDq_>
+struct DkdvConfig {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr bool kIsCausal = kIsCausal_, kAtomicDq = kAtomicDq_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kWarpsN = kBlockN / 16;         // key groups of 16 rows
+    static constexpr int kWarpsD = kNWarps / kWarpsN;    // warps sharing a key group (head-dim split)
+    static constexpr int kMPerWarp = kBlockM / kWarpsD;  // queries of S^T per warp
+    static constexpr int kDPerWarp = kHeadDim / kWarpsD;
+    static constexpr int kMTiles = kMPerWarp / 8;        // n-tiles of the warp's S^T rows
+    static constexpr int kDTiles = kDPerWarp / 8;        // n-tiles of the warp's dK / dV rows
+    static_assert(sizeof(Elem) == 2, "the tensor-core backward takes fp16 or bf16");
+    static_assert(kBlockN % 16 == 0 && kNWarps % kWarpsN == 0, "bad dK/dV warp layout");
+    static_assert(kWarpsD == 1 || kWarpsD == 2, "the head dim is split over at most 2 warps");
+    static_assert(kMPerWarp % 16 == 0 && kDPerWarp % 16 == 0, "bad dK/dV warp layout");
+    // The smallest configurations (99 KB parts, head dim 256) keep P^T and dS^T in one buffer, at the
+    // price of two more barriers per query block.
+    static constexpr bool kShareP = kWarpsD > 1 && kBlockN <= 32;
+    static constexpr bool kHasP = kWarpsD > 1 && !kShareP;
+    static constexpr bool kHasDs = kWarpsD > 1 || kAtomicDq;
+
+    using Mask = AttnMask<kIsCausal>;
+    using Blocks = QueryBlocks<kBlockM, kBlockN>;
+    using ScoreMod = IdentityScoreMod;
+
+    using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V
+    using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
+    using TileP = PanelTile<kBlockN, kBlockM>;   // P^T, dS^T ([key][query])
+
+    static constexpr int kOffK = 0;
+    static constexpr int kOffV = kOffK + TileK::kBytes;
+    static constexpr int kOffQ = kOffV + TileK::kBytes;       // 2 stages
+    static constexpr int kOffDo = kOffQ + 2 * TileQ::kBytes;  // 2 stages
+    static constexpr int kOffP = kOffDo + 2 * TileQ::kBytes;
+    static constexpr int kOffDs = kOffP + (kHasP ? TileP::kBytes : 0);
+    static constexpr int kOffLse = kOffDs + (kHasDs ? TileP::kBytes : 0);  // 2 stages of kBlockM floats
+    static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;             // 2 stages of kBlockM floats
+    static constexpr int kSmemBytes = kOffDsum + 2 * kBlockM * 4;
+    static constexpr int kOffPShared = kShareP ? kOffDs : kOffP;           // where P^T goes
+
+    static constexpr DqWarpLayout kDq = choose_dq_layout(kBlockM, kHeadDim, kNWarps);
+    static_assert(!kAtomicDq || kDq.warps_m > 0, "no warp layout for the dQ step");
+};
+
+// A dK/dV thread's role, derived from its index. The mainloop rebuilds it from an opaque copy of the
+// thread index in every iteration and in the epilogue, so that only tid (not its dozen derived values)
+// stays live across the loop.
+template <typename Cfg>
+struct DkdvRole {
+    int lane, g, t, warp;
+    int key_row0;  // the warp's keys within the block
+    int d_split;   // the warp's query half of S^T / head-dim half of dK, dV
+    int q_col0;    // the warp's first query (within the block) of S^T
+
+    __device__ __forceinline__ explicit DkdvRole(int thread)
+        : lane(thread % 32), g(lane >> 2), t(lane & 3), warp(thread / 32), key_row0((warp % Cfg::kWarpsN) * 16),
+          d_split(warp / Cfg::kWarpsN), q_col0(d_split * Cfg::kMPerWarp) {}
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Deterministic dQ kernel: one CTA owns kBlockM queries (resident Q, dO) and streams the key blocks they
+// see (K, V double-buffered). Warp w owns queries (w % kWarpsM)*16 .. +16; with kWarpsD = 2 the two warps
+// of a query group (d_split = w / kWarpsM) take key halves of S and interleaved 16-column groups of dQ.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsCausal_>
+struct DqConfig {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kWarpsM = kBlockM / 16;         // query groups of 16 rows
+    static constexpr int kWarpsD = kNWarps / kWarpsM;    // warps sharing a query group (head-dim split)
+    static constexpr int kNPerWarp = kBlockN / kWarpsD;  // keys of S per warp
+    static constexpr int kDPerWarp = kHeadDim / kWarpsD;
+    static constexpr int kNTiles = kNPerWarp / 8;        // n-tiles of the warp's S rows
+    static constexpr int kDTiles = kDPerWarp / 8;        // n-tiles of the warp's dQ rows
+    static_assert(sizeof(Elem) == 2, "the tensor-core backward takes fp16 or bf16");
+    static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0 && kNWarps % kWarpsM == 0, "bad dQ warp layout");
+    static_assert(kWarpsD == 1 || kWarpsD == 2, "the head dim is split over at most 2 warps");
+    static_assert(kNPerWarp % 16 == 0 && kDPerWarp % 16 == 0, "bad dQ warp layout");
+
+    using Mask = AttnMask<kIsCausal>;
+    using ScoreMod = IdentityScoreMod;
+
+    using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
+    using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V
+    using TileS = PanelTile<kBlockM, kBlockN>;   // dS ([query][key]) when the head dim is split
+
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffDo = kOffQ + TileQ::kBytes;
+    static constexpr int kOffK = kOffDo + TileQ::kBytes;     // 2 stages
+    static constexpr int kOffV = kOffK + 2 * TileK::kBytes;  // 2 stages
+    static constexpr int kOffDs = kOffV + 2 * TileK::kBytes;
+    static constexpr int kSmemBytes = kOffDs + (kWarpsD > 1 ? TileS::kBytes : 0);
+};
+
+}  // namespace cuflash

@@ -1,0 +1,79 @@
+// P recomputation and dS, for every tensor-core backward mainloop (both arches, both kernel families).
+//
+// With S the raw scores and lse the forward's log-sum-exp (natural log), in the mma C-fragment layout:
+//   P  = exp2(scale_log2 * mod(S) - lse * log2(e))     after the score modifier and the mask
+//   dS = P o (dP - D)                                   then the score modifier's backward
+// The dK/dV kernels hold S^T (rows = keys, columns = queries): lse and D are per column and are read in
+// pairs from small shared vectors where they are used, so neither holds registers across a GEMM. The dQ
+// kernel holds S (rows = queries): lse and D are per row, two per thread, kept in registers.
+// A row with lse = -inf (it sees no key) gets P = 0 exactly (lse_log2_offset), so does every masked score.
+#pragma once
+
+#include "cuflash/bwd_config.cuh"
+
+namespace cuflash {
+
+// P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
+// key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
+template <typename Cfg, int kNT>
+__device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], const typename Cfg::Mask& mask, int seqlen_q,
+                                                 int query0, int key0, int key_row0, int q_col0, int g, int t,
+                                                 unsigned s_lse, float scale_log2) {
+    const int key_row = key0 + key_row0 + g, query_col = query0 + q_col0 + 2 * t;
+    typename Cfg::ScoreMod().apply_transposed(acc, key_row, query_col);
+    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN) || query0 + Cfg::kBlockM > seqlen_q) {
+        mask.apply_transposed(acc, key_row, query_col, seqlen_q);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);
+        const float lse2[2] = {lse_log2_offset(l.x), lse_log2_offset(l.y)};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(acc[nt][e] * scale_log2 - lse2[e & 1]);
+    }
+}
+
+// dS^T = P^T o (dP^T - D) in place of dP^T; s_dsum: this thread's first D pair in shared memory.
+template <typename Cfg, int kNT>
+__device__ __forceinline__ void dscores_transposed(float (&acc_dp)[kNT][4], const float (&acc_p)[kNT][4],
+                                                   unsigned s_dsum, int key_row, int query_col) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        const float2 d = ld_shared_f32x2(s_dsum + nt * 8 * 4);
+        acc_dp[nt][0] = acc_p[nt][0] * (acc_dp[nt][0] - d.x);
+        acc_dp[nt][1] = acc_p[nt][1] * (acc_dp[nt][1] - d.y);
+        acc_dp[nt][2] = acc_p[nt][2] * (acc_dp[nt][2] - d.x);
+        acc_dp[nt][3] = acc_p[nt][3] * (acc_dp[nt][3] - d.y);
+    }
+    typename Cfg::ScoreMod().grad_transposed(acc_dp, key_row, query_col);
+}
+
+// P of the warp's 16 queries (from row0 = query0 + the warp's first row) x kNT*8 keys (from col0) of
+// query block query0 / key block key0, in place of S. lse2: the log2 offsets of the thread's two rows
+// (+inf for rows past Sq, which makes their P 0).
+template <typename Cfg, int kNT>
+__device__ __forceinline__ void probs_rows(float (&acc)[1][kNT][4], const typename Cfg::Mask& mask, int query0,
+                                           int key0, int row0, int col0, const float (&lse2)[2],
+                                           float scale_log2) {
+    typename Cfg::ScoreMod().apply(acc, row0, col0);
+    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) mask.template apply<1, kNT>(acc, row0, col0);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][nt][e] = fast_exp2(acc[0][nt][e] * scale_log2 - lse2[e >> 1]);
+    }
+}
+
+// dS = P o (dP - D) in place of dP; dsum: D of the thread's two rows.
+template <typename Cfg, int kNT>
+__device__ __forceinline__ void dscores_rows(float (&acc_dp)[1][kNT][4], const float (&acc_p)[1][kNT][4],
+                                             const float (&dsum)[2], int row0, int col0) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_p[0][nt][e] * (acc_dp[0][nt][e] - dsum[e >> 1]);
+    }
+    typename Cfg::ScoreMod().grad(acc_dp, row0, col0);
+}
+
+}  // namespace cuflash

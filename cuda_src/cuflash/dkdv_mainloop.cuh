@@ -1,0 +1,141 @@
+// The dK/dV mainloop: its load side (DkdvLoads) and its step loop (DkdvMainloop<Cfg, Math>), shared by
+// both arches; the arch-specific GEMMs are the Math type (cuflash/dkdv_mainloop_sm80.cuh: mma.sync,
+// cuflash/dkdv_mainloop_sm90.cuh: wgmma), which the kernel picks by a trait.
+//
+// Interface of a dK/dV mainloop (DkdvMainloopSm80<Cfg> and DkdvMainloopSm90<Cfg>):
+//   kSmemBytes, check_smem(smem)           its dynamic shared memory (Cfg's layout) and launch checks
+//   col0(nt, d_split)                      the head-dim column of n-tile nt of a warp's dK / dV rows
+//   run(params, b, h, n_block, blocks, mask, smem, acc_dk, acc_dv)
+//                                          walks every query block that sees key block n_block and
+//                                          leaves dK (unscaled) and dV in the C-fragment layout of
+//                                          DkdvRole (rows = the warp's keys)
+// and, for the atomic dQ path, adds dS . K of each step into dq_accum.
+// The Math type supplies, per step: fence_loaded() (before the barrier that publishes landed tiles),
+// scores() (S^T; may also start dP^T), dprobs() (dP^T), accumulate() (dV, dK and the atomic dQ step,
+// from P^T in acc_s and dS^T in acc_dp) and step_done(). Between them the loop runs the shared parts:
+// P recomputation and dS (cuflash/bwd_probs.cuh).
+//
+// Pipeline: K, V of the block load once; Q, dO, lse and D of the streamed query blocks are
+// double-buffered: the next block's cp.async is issued right after the barrier that opens the current one
+// and overlaps a whole step. (A TMA producer warp would replace DkdvLoads with mbarrier-completed bulk
+// copies; the Math side is already the consumer.)
+#pragma once
+
+#include "cuflash/bwd_config.cuh"
+#include "cuflash/bwd_probs.cuh"
+#include "cuflash/seqlen.cuh"
+
+namespace cuflash {
+
+template <typename Cfg>
+struct DkdvLoads {
+    using Elem = typename Cfg::Elem;
+    using TileK = typename Cfg::TileK;
+    using TileQ = typename Cfg::TileQ;
+
+    // K, V of key block n_block (kv head of seq), into their single buffers.
+    static __device__ __forceinline__ void load_kv(const AttnParams& p, const SeqInfo& seq, unsigned smem, int key0,
+                                                   int tid) {
+        copy_tile_flat<TileK, Cfg::kThreads>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
+                                             seq.seqlen_k - key0, p.head_dim, tid);
+        copy_tile_flat<TileK, Cfg::kThreads>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
+                                             seq.seqlen_k - key0, p.head_dim_v, tid);
+    }
+
+    // Q, dO, lse, D of query block m into pipeline stage `stage`. Inside the loop it is called with a
+    // SeqInfo of opaque (b, h) and an opaque tid: the pointers are rebuilt from the constant-bank params on
+    // each call instead of holding registers across the loop. Rows past Sq: zero-filled (lse 0 there; the
+    // mask hides those queries).
+    static __device__ __forceinline__ void load_queries(const AttnParams& p, const SeqInfo& seq, unsigned smem, int m,
+                                                        int stage, int tid) {
+        const int q0 = m * Cfg::kBlockM;
+        const int rows = seq.seqlen_q - q0;
+        copy_tile_flat<TileQ, Cfg::kThreads>(smem + Cfg::kOffQ + stage * TileQ::kBytes, seq.q<Elem>(p, q0),
+                                             p.q_row_stride, rows, p.head_dim, tid);
+        copy_tile_flat<TileQ, Cfg::kThreads>(smem + Cfg::kOffDo + stage * TileQ::kBytes, seq.dout<Elem>(p, q0),
+                                             p.do_row_stride, rows, p.head_dim_v, tid);
+        const float* lse_ptr = seq.lse_in(p, q0);
+        const float* dsum_ptr = seq.softmax_d(p, q0);
+        for (int i = tid; i < Cfg::kBlockM; i += Cfg::kThreads) {
+            const bool valid = i < rows;
+            cp_async_4(smem + Cfg::kOffLse + (stage * Cfg::kBlockM + i) * 4, lse_ptr + (valid ? i : 0), valid);
+            cp_async_4(smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + i) * 4, dsum_ptr + (valid ? i : 0), valid);
+        }
+    }
+};
+
+template <typename Cfg, typename Math>
+struct DkdvMainloop {
+    using Role = DkdvRole<Cfg>;
+    using Loads = DkdvLoads<Cfg>;
+    using TileQ = typename Cfg::TileQ;
+    static constexpr int kSmemBytes = Cfg::kSmemBytes;
+    static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
+
+    static __device__ __forceinline__ void check_smem(unsigned smem) {
+        check_bwd_smem<Cfg::kSmemBytes, Math::kSmemAlign>(smem);
+    }
+    static __device__ __forceinline__ int col0(int nt, int d_split) { return Math::col0(nt, d_split); }
+
+    static __device__ __forceinline__ void run(const AttnParams& params, int b, int h, int n_block,
+                                               const typename Cfg::Blocks& blocks, const typename Cfg::Mask& mask,
+                                               unsigned smem, float (&acc_dk)[kDTiles][4],
+                                               float (&acc_dv)[kDTiles][4]) {
+        const int tid = threadIdx.x;
+        const int seqlen_q = params.seqlen_q;
+        const int key0 = n_block * Cfg::kBlockN;
+        const int num_m_blocks = blocks.count();
+        // The query blocks are visited from m_first on, wrapping around at m_end. The atomic path starts at
+        // a different block for each key block, so blocks running side by side add into different dq_accum
+        // rows; the deterministic path goes in order.
+        const int m_first =
+            Cfg::kAtomicDq && num_m_blocks > 0 ? blocks.m_begin + n_block % num_m_blocks : blocks.m_begin;
+        if (num_m_blocks > 0) {
+            const SeqInfo seq(params, b, h);
+            Loads::load_kv(params, seq, smem, key0, tid);
+            Loads::load_queries(params, seq, smem, m_first, 0, tid);
+            sm80::cp_async_commit();
+        }
+
+        int m_block = m_first;
+        for (int step = 0; step < num_m_blocks; ++step) {
+            const int stage = step & 1;
+            const int query0 = m_block * Cfg::kBlockM;
+            m_block = blocks.next(m_block);
+            const unsigned s_q = smem + Cfg::kOffQ + stage * TileQ::kBytes;
+            const unsigned s_do = smem + Cfg::kOffDo + stage * TileQ::kBytes;
+
+            // This block's tiles have landed, and every warp is done with step - 1 (so the other stage and
+            // the P / dS tiles may be overwritten).
+            sm80::cp_async_wait<0>();
+            Math::fence_loaded();
+            __syncthreads();
+            if (step + 1 < num_m_blocks) {
+                Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, m_block, stage ^ 1,
+                                    opaque(tid));
+                sm80::cp_async_commit();
+            }
+            const Role r(opaque(tid));
+
+            // S^T = K . Q^T -> P^T; dP^T = V . dO^T -> dS^T (transposed C layout: row = key, column = query).
+            float acc_s[kMTiles][4];
+            float acc_dp[kMTiles][4];
+            Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
+            const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
+            const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
+            probs_transposed<Cfg>(acc_s, mask, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t, s_lse,
+                                  params.scale_log2);
+            Math::dprobs(acc_dp, smem, s_do, r);
+            dscores_transposed<Cfg>(acc_dp, acc_s, s_dsum, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
+
+            // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
+            float* dq_rows = Cfg::kAtomicDq ? SeqInfo(params, opaque(b), opaque(h)).dq_accum(params, query0, Cfg::kHeadDim)
+                                            : nullptr;
+            Math::accumulate(acc_dv, acc_dk, acc_s, acc_dp, smem, s_q, s_do, r, dq_rows, seqlen_q - query0,
+                             params.head_dim);
+            Math::step_done(acc_dv, acc_dk);
+        }
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,173 @@
+// Backward epilogues, for every backward mainloop:
+//   DkdvEpilogue   dK (scaled) and dV of a key block from the C-fragment layout of DkdvRole, under one of
+//                  two store policies: DirectStore (bshd Elem gradients: MHA) or PartialStore (fp32
+//                  per-query-head partials, (B, H, Sk, kHeadDim) contiguous, summed per GQA group by
+//                  reduce_dkdv_rows in a fixed order);
+//   DqEpilogue     dQ (scaled) of the deterministic dQ kernel, from registers;
+//   convert_dq_rows  dq = scale * dq_accum (the atomic dQ path's last step).
+// Rows past Sq / Sk and columns past D / Dv are never stored.
+#pragma once
+
+#include "cuflash/bwd_config.cuh"
+#include "cuflash/seqlen.cuh"
+
+namespace cuflash {
+
+// dK / dV rows straight into the Elem outputs.
+template <typename Elem>
+struct DirectStore {
+    Elem* dk;
+    Elem* dv;
+    long long dk_stride, dv_stride;
+    __device__ __forceinline__ DirectStore(const AttnParams& p, const SeqInfo& seq)
+        : dk(seq.dk<Elem>(p)), dv(seq.dv<Elem>(p)), dk_stride(p.dk_row_stride), dv_stride(p.dv_row_stride) {}
+    __device__ __forceinline__ void store_dk(int row, int col, float x, float y) const {
+        *reinterpret_cast<unsigned*>(dk + row * dk_stride + col) = ElemTraits<Elem>::pack2(x, y);
+    }
+    __device__ __forceinline__ void store_dv(int row, int col, float x, float y) const {
+        *reinterpret_cast<unsigned*>(dv + row * dv_stride + col) = ElemTraits<Elem>::pack2(x, y);
+    }
+};
+
+// dK / dV rows of this query head into the fp32 partials (row width kWidth).
+template <int kWidth>
+struct PartialStore {
+    float* dk;
+    float* dv;
+    __device__ __forceinline__ PartialStore(const AttnParams& p, const SeqInfo& seq)
+        : dk(seq.dk_accum(p, kWidth)), dv(seq.dv_accum(p, kWidth)) {}
+    __device__ __forceinline__ void store_dk(int row, int col, float x, float y) const {
+        *reinterpret_cast<float2*>(dk + static_cast<long long>(row) * kWidth + col) = make_float2(x, y);
+    }
+    __device__ __forceinline__ void store_dv(int row, int col, float x, float y) const {
+        *reinterpret_cast<float2*>(dv + static_cast<long long>(row) * kWidth + col) = make_float2(x, y);
+    }
+};
+
+template <typename Cfg, typename Mainloop>
+struct DkdvEpilogue {
+    static constexpr int kDTiles = Cfg::kDTiles;
+
+    // Also runs when no query sees this key block: the gradients are then 0.
+    static __device__ __forceinline__ void store(const AttnParams& params, int b, int h, int n_block,
+                                                 const float (&acc_dk)[kDTiles][4], const float (&acc_dv)[kDTiles][4]) {
+        const DkdvRole<Cfg> r(opaque(threadIdx.x));
+        const SeqInfo seq(params, b, opaque(h));
+        const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
+        if (params.dk_accum == nullptr) {
+            store_rows(DirectStore<typename Cfg::Elem>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
+        } else {
+            store_rows(PartialStore<Cfg::kHeadDim>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
+        }
+    }
+
+    template <typename Out>
+    static __device__ __forceinline__ void store_rows(const Out& out, const AttnParams& params, const SeqInfo& seq,
+                                                      const DkdvRole<Cfg>& r, int row_lo,
+                                                      const float (&acc_dk)[kDTiles][4],
+                                                      const float (&acc_dv)[kDTiles][4]) {
+        const int row_hi = row_lo + 8;
+        const float scale = params.scale;
+#pragma unroll
+        for (int nt = 0; nt < kDTiles; ++nt) {
+            const int c0 = Mainloop::col0(nt, r.d_split);
+            const int col = c0 + 2 * r.t;
+            if (c0 < params.head_dim) {
+                if (row_lo < seq.seqlen_k) out.store_dk(row_lo, col, acc_dk[nt][0] * scale, acc_dk[nt][1] * scale);
+                if (row_hi < seq.seqlen_k) out.store_dk(row_hi, col, acc_dk[nt][2] * scale, acc_dk[nt][3] * scale);
+            }
+            if (c0 < params.head_dim_v) {
+                if (row_lo < seq.seqlen_k) out.store_dv(row_lo, col, acc_dv[nt][0], acc_dv[nt][1]);
+                if (row_hi < seq.seqlen_k) out.store_dv(row_hi, col, acc_dv[nt][2], acc_dv[nt][3]);
+            }
+        }
+    }
+};
+
+// dq = scale * dQ for the warp's 16 queries (from row0 within the query block at query0), its n-tiles at
+// the head-dim columns col0(nt).
+template <typename Cfg>
+struct DqEpilogue {
+    using Elem = typename Cfg::Elem;
+    template <int kDTiles, typename ColOf>
+    static __device__ __forceinline__ void store(const AttnParams& params, const SeqInfo& seq,
+                                                 const float (&acc_dq)[kDTiles][4], int query0, int row0, int g, int t,
+                                                 ColOf col_of) {
+        Elem* dq = seq.dq<Elem>(params);
+        const float scale = params.scale;
+#pragma unroll
+        for (int nt = 0; nt < kDTiles; ++nt) {
+            const int c0 = col_of(nt);
+            if (c0 >= params.head_dim) continue;
+            const int col = c0 + 2 * t;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = query0 + row0 + g + half * 8;
+                if (row < seq.seqlen_q) {
+                    *reinterpret_cast<unsigned*>(dq + row * params.dq_row_stride + col) = ElemTraits<Elem>::pack2(
+                        acc_dq[nt][2 * half] * scale, acc_dq[nt][2 * half + 1] * scale);
+                }
+            }
+        }
+    }
+};
+
+// Atomic dQ path: dq[b, i, h, :D] = scale * dq_accum[b, h, i, :D] for rows [row0, row0 + kRows); one
+// thread per 8 columns (two float4 loads, one 16-byte store).
+template <typename Elem, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const SeqInfo& seq, int row0) {
+    constexpr int kChunks = kHeadDim / 8;
+    const float* acc = seq.dq_accum(params, 0, kHeadDim);
+    Elem* dq = seq.dq<Elem>(params);
+    const float scale = params.scale;
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+        const int row = row0 + i / kChunks;
+        const int c = i % kChunks;
+        if (row >= seq.seqlen_q || c * 8 >= params.head_dim) continue;
+        const float4* src = reinterpret_cast<const float4*>(acc + static_cast<long long>(row) * kHeadDim + c * 8);
+        const float4 x = src[0], y = src[1];
+        uint4 out;
+        out.x = ElemTraits<Elem>::pack2(x.x * scale, x.y * scale);
+        out.y = ElemTraits<Elem>::pack2(x.z * scale, x.w * scale);
+        out.z = ElemTraits<Elem>::pack2(y.x * scale, y.y * scale);
+        out.w = ElemTraits<Elem>::pack2(y.z * scale, y.w * scale);
+        *reinterpret_cast<uint4*>(dq + row * params.dq_row_stride + c * 8) = out;
+    }
+}
+
+// GQA: dk[b, j, hk, :D] = sum over the query heads h of group hk, in ascending order, of dk_accum[b, h, j,
+// :D] (already scaled); likewise dv with Dv, for key rows [row0, row0 + kRows). `first` is the SeqInfo of
+// the group's first query head. The fixed order makes dK / dV deterministic even when dQ uses atomics.
+template <typename Elem, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const SeqInfo& first, int row0) {
+    constexpr int kChunks = kHeadDim / 8;
+    const long long head_size = static_cast<long long>(first.seqlen_k) * kHeadDim;  // floats per (b, h)
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+        const int row = row0 + i / kChunks;
+        const int c = i % kChunks;
+        if (row >= first.seqlen_k) continue;
+        const long long offset = static_cast<long long>(row) * kHeadDim + c * 8;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+            const int cols = which == 0 ? params.head_dim : params.head_dim_v;
+            if (c * 8 >= cols) continue;
+            const float* part = (which == 0 ? first.dk_accum(params, kHeadDim) : first.dv_accum(params, kHeadDim)) + offset;
+            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int j = 0; j < params.h_per_kv; ++j) {
+                const float4 x = reinterpret_cast<const float4*>(part + j * head_size)[0];
+                const float4 y = reinterpret_cast<const float4*>(part + j * head_size)[1];
+                sum[0] += x.x; sum[1] += x.y; sum[2] += x.z; sum[3] += x.w;
+                sum[4] += y.x; sum[5] += y.y; sum[6] += y.z; sum[7] += y.w;
+            }
+            uint4 out;
+            out.x = ElemTraits<Elem>::pack2(sum[0], sum[1]);
+            out.y = ElemTraits<Elem>::pack2(sum[2], sum[3]);
+            out.z = ElemTraits<Elem>::pack2(sum[4], sum[5]);
+            out.w = ElemTraits<Elem>::pack2(sum[6], sum[7]);
+            Elem* dst = which == 0 ? first.dk<Elem>(params, row) : first.dv<Elem>(params, row);
+            *reinterpret_cast<uint4*>(dst + c * 8) = out;
+        }
+    }
+}
+
+}  // namespace cuflash
