@@ -30,15 +30,13 @@ namespace cuflash {
 template <typename Cfg>
 struct DkdvLoads {
     using Elem = typename Cfg::Elem;
-    using TileK = typename Cfg::TileK;
-    using TileQ = typename Cfg::TileQ;
 
     // K, V of key block n_block (kv head of seq), into their single buffers.
     static __device__ __forceinline__ void load_kv(const AttnParams& p, const SeqInfo& seq, unsigned smem, int key0,
                                                    int tid) {
-        copy_tile_flat<TileK, Cfg::kThreads>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
+        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
                                              seq.seqlen_k - key0, p.head_dim, tid);
-        copy_tile_flat<TileK, Cfg::kThreads>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
+        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
                                              seq.seqlen_k - key0, p.head_dim_v, tid);
     }
 
@@ -50,9 +48,9 @@ struct DkdvLoads {
                                                         int stage, int tid) {
         const int q0 = m * Cfg::kBlockM;
         const int rows = seq.seqlen_q - q0;
-        copy_tile_flat<TileQ, Cfg::kThreads>(smem + Cfg::kOffQ + stage * TileQ::kBytes, seq.q<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
                                              p.q_row_stride, rows, p.head_dim, tid);
-        copy_tile_flat<TileQ, Cfg::kThreads>(smem + Cfg::kOffDo + stage * TileQ::kBytes, seq.dout<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
                                              p.do_row_stride, rows, p.head_dim_v, tid);
         const float* lse_ptr = seq.lse_in(p, q0);
         const float* dsum_ptr = seq.softmax_d(p, q0);

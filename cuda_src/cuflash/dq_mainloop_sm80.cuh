@@ -23,7 +23,6 @@ struct DqMainloopSm80 {
     using Elem = typename Cfg::Elem;
     using TileQ = typename Cfg::TileQ;
     using TileK = typename Cfg::TileK;
-    using TileS = typename Cfg::TileS;
     using Blocks = KeyBlocks<Cfg::kBlockM, Cfg::kBlockN>;
     static constexpr int kSmemBytes = Cfg::kSmemBytes;
     static constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kWarpsD = Cfg::kWarpsD;
@@ -108,8 +107,8 @@ struct DqMainloopSm80 {
                 gemm_ab<Elem, Cfg::kBlockN / 16, kDTiles, 2 * kWarpsD>(
                     acc_dq, [&](int kk, unsigned (&a)[4]) { c_to_a<Elem>(a, acc_dp[0], kk); }, k_cols);
             } else {
-                const SmemCursor<TileS> ds_rows = cursor_a<TileS>(s_ds, row0, 0, lane);
-                store_c_tile<Elem, TileS>(s_ds, acc_dp[0], row0, key_col0, lane);
+                const auto ds_rows = cursor_a<typename Cfg::TileS>(s_ds, row0, 0, lane);
+                store_c_tile<Elem, typename Cfg::TileS>(s_ds, acc_dp[0], row0, key_col0, lane);
                 __syncthreads();  // dS of both key halves visible; the next step's first barrier guards reuse
                 gemm_ab<Elem, Cfg::kBlockN / 16, kDTiles, 2 * kWarpsD>(
                     acc_dq, [&](int kk, unsigned (&a)[4]) { sm80::ldmatrix_x4(a, ds_rows.at(0, 2 * kk)); }, k_cols);

@@ -5,7 +5,9 @@
 //   Mainloop::Tile                 the Q / K / V shared-memory tile layout it wants
 //   Mainloop::kSmemBytes           its dynamic shared memory
 //   Mainloop::check_smem(smem)     traps on a launch it cannot run with (size, alignment)
-//   Mainloop(params, seq, blocks, smem, row_begin)
+//   Mainloop(params, seq, blocks, mask, smem, row_begin, warp_row0)   (the FwdWork constructor: both
+//                                  mainloops derive from FwdWork, which holds these and the shared
+//                                  score-modifier + mask step)
 //   load side:    FwdLoads::load_q / load_k(j) / load_v(j): one cp.async group per call, uniform per
 //                 thread (a future TMA producer warp replaces these with mbarrier-completed bulk copies)
 //   compute side: run(acc_o, softmax): walks every visible key block (blocks.count() steps, masked phase
@@ -73,20 +75,46 @@ struct FwdLoads {
                                                          seq.seqlen_q, params.head_dim, params.q);
     }
     __device__ __forceinline__ void load_k(int j) const {
+        load_step(j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
+    }
+    __device__ __forceinline__ void load_v(int j) const {
+        load_step(j, smem_v, v_src, params.v_row_stride, params.head_dim_v, params.v);
+    }
+    // Step j's key block of K or V (src, its row stride, valid columns, the tensor's base) into slot j % kSlots.
+    __device__ __forceinline__ void load_step(int j, unsigned smem, const Elem* src, long long row_stride, int cols,
+                                              const void* base) const {
         if (j < n_blocks) {
-            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem_k + (j % kSlots) * KVTile::kBytes, k_src,
-                                                              params.k_row_stride, (n_end - 1 - j) * Cfg::kBlockN,
-                                                              params.seqlen_k, params.head_dim, params.k);
+            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
+                                                              (n_end - 1 - j) * Cfg::kBlockN, params.seqlen_k, cols,
+                                                              base);
         }
         sm80::cp_async_commit();
     }
-    __device__ __forceinline__ void load_v(int j) const {
-        if (j < n_blocks) {
-            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem_v + (j % kSlots) * KVTile::kBytes, v_src,
-                                                              params.v_row_stride, (n_end - 1 - j) * Cfg::kBlockN,
-                                                              params.seqlen_k, params.head_dim_v, params.v);
+};
+
+// What a forward mainloop works on, for both arches: its load side, the query block's key blocks and
+// mask, Q's shared memory, the block's first row and the warp's first row within the block.
+template <typename Cfg, typename Loads>
+struct FwdWork {
+    Loads loads;
+    const typename Cfg::Blocks& blocks;
+    const typename Cfg::Mask& mask;
+    unsigned smem_q;
+    int row_begin, warp_row0;
+
+    __device__ __forceinline__ FwdWork(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
+                                       const typename Cfg::Mask& m, unsigned smem, int row_begin_, int warp_row0_)
+        : loads(p, seq, b, smem), blocks(b), mask(m), smem_q(smem), row_begin(row_begin_), warp_row0(warp_row0_) {}
+
+    // The warp's raw scores against key block n -> the score modifier, then -inf where invisible (the
+    // per-element test only on warp tiles that can need it).
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int n) const {
+        const int warp_row_begin = row_begin + warp_row0;
+        typename Cfg::ScoreMod().apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        if (mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN)) {
+            mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
         }
-        sm80::cp_async_commit();
     }
 };
 
@@ -133,7 +161,7 @@ __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, u
 // softmax and P.V_j. With kStages >= 2 each load has a whole step or more to land. Every warp's last
 // ldmatrix of Q precedes the last __syncthreads, so the epilogue may reuse Q's shared memory.
 template <typename Cfg>
-struct FwdMainloopSm80 {
+struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>, Cfg::kStages>> {
     using Elem = typename Cfg::Elem;
     using Tile = NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>;
     using Loads = FwdLoads<Cfg, Tile, Cfg::kStages>;
@@ -146,56 +174,42 @@ struct FwdMainloopSm80 {
         if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
     }
 
-    Loads loads;
-    const typename Cfg::Blocks& blocks;
-    const typename Cfg::Mask& mask;
-    unsigned smem_q;
-    int row_begin, warp_row0;
-
-    __device__ __forceinline__ FwdMainloopSm80(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
-                                               const typename Cfg::Mask& m, unsigned smem, int row_begin_,
-                                               int warp_row0_)
-        : loads(p, seq, b, smem), blocks(b), mask(m), smem_q(smem), row_begin(row_begin_), warp_row0(warp_row0_) {}
+    using FwdWork<Cfg, Loads>::FwdWork;
 
     // Prologue: groups K0 (with Q), V0, K1, V1, ..., V_{kStages-2}, K_{kStages-1}: 2*kStages-1 groups.
     // Later steps commit V_{j+kStages-1} and K_{j+kStages}, keeping the order K0 V0 K1 V1 ...: when step
     // j waits for K_j (group 2j) or V_j (group 2j+1), exactly 2*kStages-2 younger groups exist.
     __device__ __forceinline__ void run(const AttnParams& params, const SeqInfo& seq, float (&acc_o)[kMTiles][kDTiles][4],
                                         OnlineSoftmax<kMTiles>& softmax) {
-        loads.load_q(smem_q, seq, row_begin);
-        loads.load_k(0);
+        this->loads.load_q(this->smem_q, seq, this->row_begin);
+        this->loads.load_k(0);
 #pragma unroll
         for (int s = 0; s + 1 < kStages; ++s) {
-            loads.load_v(s);
-            loads.load_k(s + 1);
+            this->loads.load_v(s);
+            this->loads.load_k(s + 1);
         }
-        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2>(params, smem_q);
+        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2>(params, this->smem_q);
 
         const LdmatrixLanes lanes(threadIdx.x % 32);
-        const unsigned q_warp = smem_q + warp_row0 * QTile::kPanelRowBytes;
-        const typename Cfg::ScoreMod score_mod;
-        for (int j = 0; j < blocks.count(); ++j) {
-            const int n = blocks.block(j);
+        const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
+        for (int j = 0; j < this->blocks.count(); ++j) {
+            const int n = this->blocks.block(j);
             const unsigned slot = kStages == 1 ? 0u : unsigned(j % kStages) * Tile::kBytes;
 
             sm80::cp_async_wait<2 * kStages - 2>();  // K_j (and Q) landed for this thread ...
             __syncthreads();                         // ... and for all; everyone finished P.V_{j-1}
-            loads.load_v(j + kStages - 1);           // into the V slot P.V_{j-1} just released
+            this->loads.load_v(j + kStages - 1);           // into the V slot P.V_{j-1} just released
 
             float acc_s[kMTiles][kNTiles][4];
-            gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, loads.smem_k + slot, lanes);
-            const int warp_row_begin = row_begin + warp_row0;
-            score_mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
-            if (mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN)) {
-                mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
-            }
+            gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
+            this->modify_and_mask(acc_s, n);
 
             sm80::cp_async_wait<2 * kStages - 2>();  // V_j landed for this thread ...
             __syncthreads();                         // ... and for all; everyone finished Q.K_j^T
-            loads.load_k(j + kStages);               // into the K slot Q.K_j^T just released
+            this->loads.load_k(j + kStages);               // into the K slot Q.K_j^T just released
 
             softmax.update(acc_s, acc_o, scale_log2);
-            gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, loads.smem_v + slot, lanes);
+            gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot, lanes);
         }
         sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit
     }

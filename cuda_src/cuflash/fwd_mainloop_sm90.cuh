@@ -45,7 +45,7 @@ __device__ __forceinline__ bool ratio_is_one(const float (&ratio)[kMTiles][2]) {
 }
 
 template <typename Cfg>
-struct FwdMainloopSm90 {
+struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, 2>> {
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
     using Loads = FwdLoads<Cfg, Tile, 2>;
@@ -68,16 +68,7 @@ struct FwdMainloopSm90 {
         if ((smem_q & 1023u) != 0) __trap();                    // wgmma would read a differently swizzled tile
     }
 
-    Loads loads;
-    const typename Cfg::Blocks& blocks;
-    const typename Cfg::Mask& mask;
-    unsigned smem_q;
-    int row_begin, warp_row0;
-
-    __device__ __forceinline__ FwdMainloopSm90(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
-                                               const typename Cfg::Mask& m, unsigned smem, int row_begin_,
-                                               int warp_row0_)
-        : loads(p, seq, b, smem), blocks(b), mask(m), smem_q(smem), row_begin(row_begin_), warp_row0(warp_row0_) {}
+    using FwdWork<Cfg, Loads>::FwdWork;
 
     // The barrier that publishes landed cp.async data (and the sign flip) to all warps. wgmma reads shared
     // memory through the async proxy, so each thread first fences its own writes (cp.async writes count as
@@ -88,29 +79,19 @@ struct FwdMainloopSm90 {
     }
     static __device__ __forceinline__ unsigned slot(int j) { return unsigned(j % 2) * Tile::kBytes; }
 
-    // Score modifier, then -inf where invisible (only in the masked phase, on warp tiles that can need it).
-    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j) const {
-        const int n = blocks.block(j);
-        const int warp_row_begin = row_begin + warp_row0;
-        typename Cfg::ScoreMod().apply(acc_s, warp_row_begin, n * kBlockN);
-        if (mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * kBlockN, kBlockN)) {
-            mask.apply(acc_s, warp_row_begin, n * kBlockN);
-        }
-    }
-
     // Step j's S = Q.K_j^T (one wgmma batch) for the warpgroup's 64 Q rows.
     __device__ __forceinline__ void issue_s(float (&acc_s)[kMTiles][kNTiles][4], int j) const {
-        const int wg_row0 = warp_row0 / 64 * 64;
-        sm90::gemm_abt<Elem, Cfg::kHeadDim, Cfg::kBlockM, kBlockN>(acc_s[0], smem_q, wg_row0,
-                                                                    loads.smem_k + slot(j), 0, false);
+        const int wg_row0 = this->warp_row0 / 64 * 64;
+        sm90::gemm_abt<Elem, Cfg::kHeadDim, Cfg::kBlockM, kBlockN>(acc_s[0], this->smem_q, wg_row0,
+                                                                    this->loads.smem_k + slot(j), 0, false);
     }
 
     __device__ __forceinline__ void run(const AttnParams& params, const SeqInfo& seq, float (&acc_o)[kMTiles][kDTiles][4],
                                         OnlineSoftmax<kMTiles>& softmax) {
         // Prologue: K0 (with Q) only; the loop waits for everything at each step.
-        loads.load_q(smem_q, seq, row_begin);
-        loads.load_k(0);
-        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 0>(params, smem_q);
+        this->loads.load_q(this->smem_q, seq, this->row_begin);
+        this->loads.load_k(0);
+        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 0>(params, this->smem_q);
 
         const bool never = params.seqlen_k < 0;  // validated >= 1 on the host; see keep_wait_after
         // P (A operand, registers, mma.sync A layout) times V (MN-major: rows = keys = K, columns = head
@@ -119,7 +100,7 @@ struct FwdMainloopSm90 {
         unsigned p_frag[kNTiles / 2][4];
         auto issue_pv = [&](int j) {
             sm90::fence_operand(acc_o[0]);
-            sm90::gemm_rs<Elem, kBlockN / 16, kBlockN>(acc_o[0], p_frag, loads.smem_v + slot(j), 0, 0, true);
+            sm90::gemm_rs<Elem, kBlockN / 16, kBlockN>(acc_o[0], p_frag, this->loads.smem_v + slot(j), 0, 0, true);
         };
 
         // Step 0: S_0 and its softmax; acc_o is still 0, so the softmax may rescale it directly.
@@ -128,31 +109,31 @@ struct FwdMainloopSm90 {
         {
             float acc_s[kMTiles][kNTiles][4];
             issue_s(acc_s, 0);
-            loads.load_k(1);
-            loads.load_v(0);
+            this->loads.load_k(1);
+            this->loads.load_v(0);
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
-            modify_and_mask(acc_s, 0);
+            this->modify_and_mask(acc_s, this->blocks.block(0));
             softmax.update(acc_s, acc_o, scale_log2);
             pack_a<Elem>(p_frag, acc_s[0]);
         }
-        for (int j = 1; j < blocks.count(); ++j) {
+        for (int j = 1; j < this->blocks.count(); ++j) {
             sm80::cp_async_wait<0>();  // K_j and V_{j-1} landed for this thread ...
             publish();                 // ... and for all; every warp finished step j-1
             float acc_s[kMTiles][kNTiles][4];
             issue_s(acc_s, j);
             issue_pv(j - 1);
-            loads.load_k(j + 1);  // into the slot of K_{j-1}
-            loads.load_v(j);      // into the slot of V_{j-2}
+            this->loads.load_k(j + 1);  // into the slot of K_{j-1}
+            this->loads.load_v(j);      // into the slot of V_{j-2}
             sm90::wait<1>();      // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
-            modify_and_mask(acc_s, j);
+            this->modify_and_mask(acc_s, this->blocks.block(j));
             // acc_o is still being written by P.V_{j-1}: the softmax's max and exp steps run now, its
             // rescale of acc_o once P.V_{j-1} is done.
             float ratio[kMTiles][2];
             softmax.max_step(acc_s, ratio, scale_log2);
             softmax.exp_step(acc_s, scale_log2);
-            keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, smem_q);  // sums of all p
+            keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, this->smem_q);  // sums of all p
             sm90::wait<0>();
             sm90::fence_operand(acc_o[0]);
             softmax.rescale(acc_o, ratio, ratio_is_one(ratio));
@@ -161,7 +142,7 @@ struct FwdMainloopSm90 {
         // The last P.V. Its barrier also orders every wgmma read of Q before the epilogue's stores.
         sm80::cp_async_wait<0>();  // V_{n_blocks-1} landed for this thread ...
         publish();                 // ... and for all
-        issue_pv(blocks.count() - 1);
+        issue_pv(this->blocks.count() - 1);
         sm90::wait<0>();
         sm90::fence_operand(acc_o[0]);
         sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit

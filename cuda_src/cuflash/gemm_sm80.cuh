@@ -149,55 +149,59 @@ struct LdmatrixLanes {
     }
 };
 
+// The register-blocked mma.sync loop of the forward's GEMMs: for each of kKSteps k16 steps, kMTiles A
+// fragments (a_frag(k, mt, a)) and kNTiles / 2 B fragment pairs (b_frag(k, np, b)), each B pair feeding
+// kMTiles x 2 mma's.
+template <typename Elem, int kKSteps, int kMTiles, int kNTiles, typename AFrag, typename BFrag>
+__device__ __forceinline__ void mma_blocked(float (&acc)[kMTiles][kNTiles][4], AFrag&& a_frag, BFrag&& b_frag) {
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        unsigned a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) a_frag(kk, mt, a[mt]);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            unsigned b[4];
+            b_frag(kk, np, b);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) mma_pair<Elem>(acc[mt][2 * np], acc[mt][2 * np + 1], a[mt], b);
+        }
+    }
+}
+
 // acc_s = Q . K^T for this warp's kMTiles x 16 query rows (q_warp: its first row in the Q tile) and
-// the kNTiles x 8 keys of a K tile. Each K fragment (two n8 tiles) feeds kMTiles x 2 mma's.
+// the kNTiles x 8 keys of a K tile.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kMTiles, int kNTiles>
 __device__ __forceinline__ void gemm_qk(float (&acc_s)[kMTiles][kNTiles][4], unsigned q_warp, unsigned k_tile,
                                         const LdmatrixLanes& lanes) {
     using QTile = NarrowTile<kBlockM, kHeadDim>;
     using KTile = NarrowTile<kBlockN, kHeadDim>;
     clear(acc_s);
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        unsigned qa[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-            sm80::ldmatrix_x4(qa[mt], q_warp + lanes.a[kk % 2] + kk / 2 * QTile::kPanelBytes +
-                                          mt * 16 * QTile::kPanelRowBytes);
-        }
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-            unsigned kb[4];
-            sm80::ldmatrix_x4(kb, k_tile + lanes.b[kk % 2] + kk / 2 * KTile::kPanelBytes +
-                                      np * 16 * KTile::kPanelRowBytes);
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) mma_pair<Elem>(acc_s[mt][2 * np], acc_s[mt][2 * np + 1], qa[mt], kb);
-        }
-    }
+    mma_blocked<Elem, kHeadDim / 16, kMTiles, kNTiles>(
+        acc_s,
+        [&](int kk, int mt, unsigned (&a)[4]) {
+            sm80::ldmatrix_x4(a, q_warp + lanes.a[kk % 2] + kk / 2 * QTile::kPanelBytes +
+                                     mt * 16 * QTile::kPanelRowBytes);
+        },
+        [&](int kk, int np, unsigned (&b)[4]) {
+            sm80::ldmatrix_x4(b, k_tile + lanes.b[kk % 2] + kk / 2 * KTile::kPanelBytes +
+                                     np * 16 * KTile::kPanelRowBytes);
+        });
 }
 
 // acc_o += P . V with P = acc_s (fp32 probabilities) packed to Elem in registers: the C fragment of
-// n8 tiles 2kk and 2kk+1 is exactly the A fragment of k16 step kk. Each V fragment (.trans, two n8
-// output tiles) feeds kMTiles x 2 mma's.
+// n8 tiles 2kk and 2kk+1 is exactly the A fragment of k16 step kk. V fragments are read with .trans.
 template <typename Elem, int kHeadDim, int kBlockN, int kMTiles, int kNTiles, int kDTiles>
 __device__ __forceinline__ void gemm_pv(float (&acc_o)[kMTiles][kDTiles][4],
                                         const float (&acc_s)[kMTiles][kNTiles][4], unsigned v_tile,
                                         const LdmatrixLanes& lanes) {
     using VTile = NarrowTile<kBlockN, kHeadDim>;
-#pragma unroll
-    for (int kk = 0; kk < kNTiles / 2; ++kk) {
-        unsigned pa[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) c_to_a<Elem>(pa[mt], acc_s[mt], kk);
-#pragma unroll
-        for (int dp = 0; dp < kDTiles / 2; ++dp) {
-            unsigned vb[4];
-            sm80::ldmatrix_x4_trans(vb, v_tile + lanes.a[dp % 2] + dp / 2 * VTile::kPanelBytes +
-                                            kk * 16 * VTile::kPanelRowBytes);
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) mma_pair<Elem>(acc_o[mt][2 * dp], acc_o[mt][2 * dp + 1], pa[mt], vb);
-        }
-    }
+    mma_blocked<Elem, kNTiles / 2, kMTiles, kDTiles>(
+        acc_o, [&](int kk, int mt, unsigned (&a)[4]) { c_to_a<Elem>(a, acc_s[mt], kk); },
+        [&](int kk, int dp, unsigned (&b)[4]) {
+            sm80::ldmatrix_x4_trans(b, v_tile + lanes.a[dp % 2] + dp / 2 * VTile::kPanelBytes +
+                                           kk * 16 * VTile::kPanelRowBytes);
+        });
 }
 
 }  // namespace cuflash

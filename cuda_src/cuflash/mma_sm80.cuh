@@ -14,34 +14,23 @@
 
 namespace cuflash {
 
-// Element-type traits: conversions and the PTX type name of mma.sync for fp16 and bf16.
+// Element-type conversions, by overload on the element type (fp16, bf16; fp32 for the SIMT kernels).
+__device__ __forceinline__ __half2 to_pair(float lo, float hi, __half) { return __floats2half2_rn(lo, hi); }
+__device__ __forceinline__ __nv_bfloat162 to_pair(float lo, float hi, __nv_bfloat16) {
+    return __floats2bfloat162_rn(lo, hi);
+}
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
 template <typename Elem>
-struct ElemTraits;
-
-template <>
-struct ElemTraits<__half> {
+struct ElemTraits {
+    // Two floats rounded to Elem and packed into one 32-bit register (low half first).
     static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
+        auto pair = to_pair(lo, hi, Elem());
+        return *reinterpret_cast<unsigned*>(&pair);
     }
-    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-
-template <>
-struct ElemTraits<__nv_bfloat16> {
-    static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
-    }
-    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-};
-
-template <>
-struct ElemTraits<float> {
-    static __device__ __forceinline__ float to_float(float x) { return x; }
-    static __device__ __forceinline__ float from_float(float x) { return x; }
+    static __device__ __forceinline__ float to_float(Elem x) { return cuflash::to_float(x); }
 };
 
 namespace sm80 {
@@ -88,28 +77,25 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], unsigned sme
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_src));
 }
 
-// d += a * b on one m16n8k16 tile with fp32 accumulation.
-template <typename Elem>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+// d += a * b on one m16n8k16 tile with fp32 accumulation; TYPE is the PTX name of the input type.
+#define CUFLASH_MMA_16816(TYPE)                                                            \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "             \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                          \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const unsigned (&a)[4],
-                                                  const unsigned (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], __half) {
+    CUFLASH_MMA_16816("f16");
 }
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                          __nv_bfloat16) {
+    CUFLASH_MMA_16816("bf16");
+}
+#undef CUFLASH_MMA_16816
 
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
-                                                         const unsigned (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+template <typename Elem>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    mma_16816(d, a, b, Elem());
 }
 
 // Bytes of dynamic shared memory this launch actually received; kernels compare it with what their

@@ -94,18 +94,33 @@ __device__ __forceinline__ void fence_operand(float (&acc)[kNTiles][4]) {
 // The warpgroup GEMMs. Each issues its k-steps as one batch (fence ... commit); the caller waits.
 // kN = 8 * kNTiles columns of the accumulator. accumulate = false overwrites acc.
 
+// The one wgmma batch loop: kKSteps k16 steps of acc (64 x kN) (+)= A . B, the k-th step's operands from
+// desc_a(k) / desc_b(k) (a descriptor, or for kFromRegs the A fragment from registers), kMajorA / kMajorB
+// 0 = K-major, 1 = MN-major.
+template <typename Elem, int kKSteps, int kNTiles, int kMajorA, int kMajorB, bool kFromRegs = false, typename DescA,
+          typename DescB>
+__device__ __forceinline__ void gemm_batch(float (&acc)[kNTiles][4], DescA&& desc_a, DescB&& desc_b,
+                                           bool accumulate) {
+    fence();
+#pragma unroll
+    for (int k = 0; k < kKSteps; ++k) {
+        if constexpr (kFromRegs) {
+            Wgmma<Elem, 8 * kNTiles>::template rs<kMajorB>(acc, desc_a(k), desc_b(k), accumulate || k > 0);
+        } else {
+            Wgmma<Elem, 8 * kNTiles>::template ss<kMajorA, kMajorB>(acc, desc_a(k), desc_b(k), accumulate || k > 0);
+        }
+    }
+    commit();
+}
+
 // acc (64 x kN) (+)= A (64 x kK) . B^T: A rows a_row0 .. +64 of K-major tile A (kRowsA rows), B rows
 // b_row0 .. +kN of K-major tile B (kRowsB rows).
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], unsigned tile_a, int a_row0, unsigned tile_b,
                                          int b_row0, bool accumulate) {
-    fence();
-#pragma unroll
-    for (int kt = 0; kt < kK / 16; ++kt) {
-        Wgmma<Elem, 8 * kNTiles>::template ss<0, 0>(acc, desc_k_major<kRowsA>(tile_a, a_row0, kt),
-                                                    desc_k_major<kRowsB>(tile_b, b_row0, kt), accumulate || kt > 0);
-    }
-    commit();
+    gemm_batch<Elem, kK / 16, kNTiles, 0, 0>(
+        acc, [&](int k) { return desc_k_major<kRowsA>(tile_a, a_row0, k); },
+        [&](int k) { return desc_k_major<kRowsB>(tile_b, b_row0, k); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A (64 x 16*kKTiles, registers) . B: B MN-major tile (kRowsB = K rows), K rows
@@ -113,13 +128,9 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], unsigned tile
 template <typename Elem, int kKTiles, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_rs(float (&acc)[kNTiles][4], const unsigned (&a)[kKTiles][4], unsigned tile_b,
                                         int b_row0, int b_panel0, bool accumulate) {
-    fence();
-#pragma unroll
-    for (int kk = 0; kk < kKTiles; ++kk) {
-        Wgmma<Elem, 8 * kNTiles>::template rs<1>(acc, a[kk], desc_mn_major<kRowsB>(tile_b, b_row0 + 16 * kk, b_panel0),
-                                                 accumulate || kk > 0);
-    }
-    commit();
+    gemm_batch<Elem, kKTiles, kNTiles, 0, 1, true>(
+        acc, [&](int k) -> const unsigned(&)[4] { return a[k]; },
+        [&](int k) { return desc_mn_major<kRowsB>(tile_b, b_row0 + 16 * k, b_panel0); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A (64 x kK) . B: A rows a_row0 .. +64 of K-major tile A (kRowsA rows), B MN-major
@@ -127,14 +138,9 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kNTiles][4], const unsigned
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], unsigned tile_a, int a_row0, unsigned tile_b,
                                         int b_panel0, bool accumulate) {
-    fence();
-#pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk) {
-        Wgmma<Elem, 8 * kNTiles>::template ss<0, 1>(acc, desc_k_major<kRowsA>(tile_a, a_row0, kk),
-                                                    desc_mn_major<kRowsB>(tile_b, 16 * kk, b_panel0),
-                                                    accumulate || kk > 0);
-    }
-    commit();
+    gemm_batch<Elem, kK / 16, kNTiles, 0, 1>(
+        acc, [&](int k) { return desc_k_major<kRowsA>(tile_a, a_row0, k); },
+        [&](int k) { return desc_mn_major<kRowsB>(tile_b, 16 * k, b_panel0); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A^T . B with both tiles MN-major (rows = K): A columns from panel a_panel0 (64
@@ -142,14 +148,9 @@ __device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], unsigned tile_
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_atb(float (&acc)[kNTiles][4], unsigned tile_a, int a_panel0, unsigned tile_b,
                                          int b_panel0, int k_row0, bool accumulate) {
-    fence();
-#pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk) {
-        Wgmma<Elem, 8 * kNTiles>::template ss<1, 1>(acc, desc_mn_major<kRowsA>(tile_a, k_row0 + 16 * kk, a_panel0),
-                                                    desc_mn_major<kRowsB>(tile_b, k_row0 + 16 * kk, b_panel0),
-                                                    accumulate || kk > 0);
-    }
-    commit();
+    gemm_batch<Elem, kK / 16, kNTiles, 1, 1>(
+        acc, [&](int k) { return desc_mn_major<kRowsA>(tile_a, k_row0 + 16 * k, a_panel0); },
+        [&](int k) { return desc_mn_major<kRowsB>(tile_b, k_row0 + 16 * k, b_panel0); }, accumulate);
 }
 
 }  // namespace sm90
