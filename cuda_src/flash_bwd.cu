@@ -6,12 +6,15 @@
 //
 // Kernels, in launch order (cuflash/kernels/backward.py plans them):
 //   flash_bwd_preprocess_kernel   softmax_d = rowsum(dO o O) - dlse; zeroes dq_accum on the atomic path.
-//   flash_bwd_dkdv_kernel         one block per (key block, QUERY head, batch), so MQA still fills the
-//                                 GPU; K_j, V_j stay in shared memory while the block walks every query
-//                                 block that sees them. With kAtomicDq it also adds dS.K to dq_accum.
+//   flash_bwd_dkdv_kernel         one block per (key block, dkdv_heads query heads of a kv head, batch):
+//                                 K_j, V_j stay in shared memory and dK_j, dV_j in registers while the
+//                                 block walks every query block that sees them, for each of its heads
+//                                 (the plan picks dkdv_heads so that MQA still fills the GPU). With
+//                                 kAtomicDq it also adds dS.K to dq_accum.
 //   flash_bwd_dq_kernel           deterministic dQ: one block per query block, walks its key blocks.
 //   flash_bwd_convert_dq_kernel   dq = scale * dq_accum (atomic path).
-//   flash_bwd_reduce_dkdv_kernel  GQA: sums the per-query-head dK/dV partials of a group, fixed order.
+//   flash_bwd_reduce_dkdv_kernel  GQA, when a block holds less than a whole group: sums a group's dK/dV
+//                                 partials in a fixed order.
 //
 // The kernels are glue: block index -> sequence info (cuflash/seqlen.cuh) -> the blocks to visit
 // (cuflash/block.cuh, from the mask policy in cuflash/mask.cuh) -> mainloop -> epilogue
@@ -90,8 +93,8 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// dK, dV (and, with kAtomicDq, dQ += dS.K into dq_accum) for key block blockIdx.x of query head blockIdx.y
-// of batch blockIdx.z. kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
+// dK, dV (and, with kAtomicDq, dQ += dS.K into dq_accum) for key block blockIdx.x of the query-head group
+// blockIdx.y of batch blockIdx.z. kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq,
           bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
@@ -102,7 +105,9 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     const unsigned smem = sm80::smem_addr(bwd_smem);
     Mainloop::check_smem(smem);
 
-    const int n_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
+    const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
+    const int heads = params.dkdv_heads;
     const typename Cfg::Mask mask{params.seqlen_q, params.seqlen_k, params.causal_offset};
     const typename Cfg::Blocks blocks(mask, n_block);
 
@@ -110,8 +115,8 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     float acc_dk[Cfg::kDTiles][4];
     clear(acc_dv);
     clear(acc_dk);
-    Mainloop::run(params, b, h, n_block, blocks, mask, smem, acc_dk, acc_dv);
-    DkdvEpilogue<Cfg, Mainloop>::store(params, b, h, n_block, acc_dk, acc_dv);
+    Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+    DkdvEpilogue<Cfg, Mainloop>::store(params, b, group, heads, n_block, acc_dk, acc_dv);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
             scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
-                                        dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch)
+                                        dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch, fields=plan.fields)
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             call = launch.CallPlan(plan, dev, params, len(launch.POINTER_FIELDS), outputs)

@@ -52,6 +52,13 @@ def compute_capability(device_id: int) -> str:
     return cupy.cuda.Device(device_id).compute_capability
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
 @functools.lru_cache(maxsize=4096)
 def forward_plan(shape: ProblemShape, device_id: int) -> Plan:
     return kernels.plan_forward(shape, int(compute_capability(device_id)))
@@ -59,14 +66,15 @@ def forward_plan(shape: ProblemShape, device_id: int) -> Plan:
 
 @functools.lru_cache(maxsize=4096)
 def backward_plan(shape: ProblemShape, device_id: int, deterministic: bool) -> Plan:
-    return kernels.plan_backward(shape, int(compute_capability(device_id)), deterministic)
+    return kernels.plan_backward(shape, int(compute_capability(device_id)), deterministic,
+                                 num_sms=multiprocessor_count(device_id))
 
 
 _STRIDED_FIELDS = (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o"), ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))
 
 
 def make_params(shape: ProblemShape, scale: float, q, k, v, out, lse, *, dout=None, dq=None, dk=None,
-                dv=None, dlse=None, scratch=None):
+                dv=None, dlse=None, scratch=None, fields=()):
     """The size-1 params array for one call. Every argument is a TensorDesc (or None).
 
     Values are gathered in a dict and packed in one ``np.array`` call: assigning the ~50 fields of a
@@ -76,7 +84,7 @@ def make_params(shape: ProblemShape, scale: float, q, k, v, out, lse, *, dout=No
         "batch": shape.batch, "seqlen_q": shape.seqlen_q, "seqlen_k": shape.seqlen_k,
         "num_heads": shape.num_heads, "num_heads_k": shape.num_heads_k,
         "head_dim": shape.head_dim, "head_dim_v": shape.head_dim_v,
-        "h_per_kv": shape.num_heads // shape.num_heads_k,
+        "h_per_kv": shape.num_heads // shape.num_heads_k, "dkdv_heads": 1,
         "causal_offset": shape.seqlen_k - shape.seqlen_q,
         "scale": scale, "scale_log2": scale * _LOG2E,
     }
@@ -92,6 +100,7 @@ def make_params(shape: ProblemShape, scale: float, q, k, v, out, lse, *, dout=No
             values[f"{field}_batch_stride"], values[f"{field}_head_stride"] = t.strides[:2]
     if scratch:
         values.update(scratch)
+    values.update(fields)  # scalar fields the plan sets (e.g. dkdv_heads)
     dtype = params_dtype()
     return np.array([tuple(values.get(name, 0) for name in dtype.names)], dtype=dtype)
 

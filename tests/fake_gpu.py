@@ -93,6 +93,7 @@ class FakeGPU:
     def install(self, setattr):
         setattr(launch, "current_device", lambda: 0)
         setattr(launch, "compute_capability", lambda device_id: self.arch)
+        setattr(launch, "multiprocessor_count", lambda device_id: 132)
         setattr(launch, "_launch_kernel", self.launch_kernel)
         setattr(build, "get_kernel", self.get_kernel)
         setattr(cupy, "empty", self.empty)

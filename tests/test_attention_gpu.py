@@ -147,6 +147,49 @@ def test_deterministic_backward_is_bit_identical(p):
                 f"{p.id}: {name} of run {run} differs bitwise from run 0")
 
 
+# --------------------------------------------------------------------------------------------
+# dK/dV blocks that accumulate several query heads of a GQA group (the plan's dkdv_heads)
+# --------------------------------------------------------------------------------------------
+
+# The plan is told how many SMs the GPU has: many keep one query head per dK/dV block, one merges the
+# whole group (no partials, no reduce kernel), 48 something between for the D128 problem.
+GROUPED_HEADS = (
+    Problem("bf16", B=2, Sq=333, Sk=333, H=12, Hkv=2, D=128, causal=True),
+    Problem("fp16", B=2, Sq=333, Sk=290, H=12, Hkv=2, D=256, deterministic=True),
+    Problem("bf16", B=1, Sq=77, Sk=333, H=6, Hkv=1, D=64, causal=True),
+    Problem("fp16", B=2, Sq=300, Sk=300, H=6, Hkv=1, D=96, deterministic=True, causal=True),
+)
+
+
+@pytest.mark.parametrize("num_sms", (1, 48, 10_000))
+@pytest.mark.parametrize("p", GROUPED_HEADS, ids=gu.problem_ids(GROUPED_HEADS))
+def test_grouped_heads_per_dkdv_block(p, num_sms, monkeypatch):
+    from cuflash import api, kernels, launch
+
+    monkeypatch.setattr(launch, "multiprocessor_count", lambda device_id: num_sms)
+    launch.backward_plan.cache_clear()
+    monkeypatch.setattr(api, "_backward_plans", {})
+    try:
+        x = gu.make_inputs(p)
+        gu.check_attention(p, inputs=x)
+        shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.D, p.dtype_name, p.causal)
+        heads = dict(launch.backward_plan(shape, 0, p.deterministic).fields)["dkdv_heads"]
+        group = p.H // p.Hkv
+        if num_sms == 1:
+            assert heads == group
+        elif num_sms == 10_000:
+            assert heads == 1
+        elif p.D == 128:  # 3 key blocks x 2 batches x 12 heads = 72 blocks: 36 of 2 heads fill 48 SMs once
+            assert heads == 2
+        if p.deterministic:  # bit-identical again, whatever the grouping
+            again = gu.run_cuflash(p, x)
+            first = gu.run_cuflash(p, x)
+            for name in ("dq", "dk", "dv"):
+                assert gu.bit_identical(getattr(again, name), getattr(first, name)), name
+    finally:
+        launch.backward_plan.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_forward_is_bit_identical(dtype, causal):

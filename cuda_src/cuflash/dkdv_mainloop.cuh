@@ -5,10 +5,11 @@
 // Interface of a dK/dV mainloop (DkdvMainloopSm80<Cfg> and DkdvMainloopSm90<Cfg>):
 //   kSmemBytes, check_smem(smem)           its dynamic shared memory (Cfg's layout) and launch checks
 //   col0(nt, d_split)                      the head-dim column of n-tile nt of a warp's dK / dV rows
-//   run(params, b, h, n_block, blocks, mask, smem, acc_dk, acc_dv)
-//                                          walks every query block that sees key block n_block and
-//                                          leaves dK (unscaled) and dV in the C-fragment layout of
-//                                          DkdvRole (rows = the warp's keys)
+//   run(params, b, h0, heads, n_block, blocks, mask, smem, acc_dk, acc_dv)
+//                                          walks every query block that sees key block n_block, for each
+//                                          of the query heads [h0, h0 + heads) of one kv head, and leaves
+//                                          dK (unscaled) and dV summed over them in the C-fragment layout
+//                                          of DkdvRole (rows = the warp's keys)
 // and, for the atomic dQ path, adds dS . K of each step into dq_accum.
 // The Math type supplies, per step: fence_loaded() (before the barrier that publishes landed tiles),
 // scores() (S^T; may also start dP^T), dprobs() (dP^T), accumulate() (dV, dK and the atomic dQ step,
@@ -75,7 +76,9 @@ struct DkdvMainloop {
     }
     static __device__ __forceinline__ int col0(int nt, int d_split) { return Math::col0(nt, d_split); }
 
-    static __device__ __forceinline__ void run(const AttnParams& params, int b, int h, int n_block,
+    // Query heads [h0, h0 + heads) (one kv head's), each over the query blocks of `blocks`: dK / dV
+    // accumulate across all of them.
+    static __device__ __forceinline__ void run(const AttnParams& params, int b, int h0, int heads, int n_block,
                                                const typename Cfg::Blocks& blocks, const typename Cfg::Mask& mask,
                                                unsigned smem, float (&acc_dk)[kDTiles][4],
                                                float (&acc_dv)[kDTiles][4]) {
@@ -88,18 +91,21 @@ struct DkdvMainloop {
         // rows; the deterministic path goes in order.
         const int m_first =
             Cfg::kAtomicDq && num_m_blocks > 0 ? blocks.m_begin + n_block % num_m_blocks : blocks.m_begin;
+        const int num_steps = heads * num_m_blocks;
         if (num_m_blocks > 0) {
-            const SeqInfo seq(params, b, h);
+            const SeqInfo seq(params, b, h0);
             Loads::load_kv(params, seq, smem, key0, tid);
             Loads::load_queries(params, seq, smem, m_first, 0, tid);
             sm80::cp_async_commit();
         }
 
-        int m_block = m_first;
-        for (int step = 0; step < num_m_blocks; ++step) {
+        int m_block = m_first, h = h0;
+        for (int step = 0; step < num_steps; ++step) {
             const int stage = step & 1;
             const int query0 = m_block * Cfg::kBlockM;
-            m_block = blocks.next(m_block);
+            const int step_head = h;
+            m_block = blocks.next(m_block);  // the next step's block, and head once the blocks wrap around
+            if (m_block == m_first) ++h;
             const unsigned s_q = smem + Cfg::kOffQ + stage * TileQ::kBytes;
             const unsigned s_do = smem + Cfg::kOffDo + stage * TileQ::kBytes;
 
@@ -108,7 +114,7 @@ struct DkdvMainloop {
             sm80::cp_async_wait<0>();
             Math::fence_loaded();
             __syncthreads();
-            if (step + 1 < num_m_blocks) {
+            if (step + 1 < num_steps) {
                 Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, m_block, stage ^ 1,
                                     opaque(tid));
                 sm80::cp_async_commit();
@@ -127,8 +133,8 @@ struct DkdvMainloop {
             dscores_transposed<Cfg>(acc_dp, acc_s, s_dsum, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
 
             // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
-            float* dq_rows = Cfg::kAtomicDq ? SeqInfo(params, opaque(b), opaque(h)).dq_accum(params, query0, Cfg::kHeadDim)
-                                            : nullptr;
+            float* dq_rows =
+                Cfg::kAtomicDq ? SeqInfo(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim) : nullptr;
             Math::accumulate(acc_dv, acc_dk, acc_s, acc_dp, smem, s_q, s_do, r, dq_rows, seqlen_q - query0,
                              params.head_dim);
             Math::step_done(acc_dv, acc_dk);

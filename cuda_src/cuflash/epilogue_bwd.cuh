@@ -29,13 +29,13 @@ struct DirectStore {
     }
 };
 
-// dK / dV rows of this query head into the fp32 partials (row width kWidth).
+// dK / dV rows into fp32 partial `slot` of `slots` per batch (row width kWidth).
 template <int kWidth>
 struct PartialStore {
     float* dk;
     float* dv;
-    __device__ __forceinline__ PartialStore(const AttnParams& p, const SeqInfo& seq)
-        : dk(seq.dk_accum(p, kWidth)), dv(seq.dv_accum(p, kWidth)) {}
+    __device__ __forceinline__ PartialStore(const AttnParams& p, const SeqInfo& seq, int slot, int slots)
+        : dk(seq.dk_accum(p, kWidth, slot, slots)), dv(seq.dv_accum(p, kWidth, slot, slots)) {}
     __device__ __forceinline__ void store_dk(int row, int col, float x, float y) const {
         *reinterpret_cast<float2*>(dk + static_cast<long long>(row) * kWidth + col) = make_float2(x, y);
     }
@@ -48,16 +48,19 @@ template <typename Cfg, typename Mainloop>
 struct DkdvEpilogue {
     static constexpr int kDTiles = Cfg::kDTiles;
 
-    // Also runs when no query sees this key block: the gradients are then 0.
-    static __device__ __forceinline__ void store(const AttnParams& params, int b, int h, int n_block,
-                                                 const float (&acc_dk)[kDTiles][4], const float (&acc_dv)[kDTiles][4]) {
+    // The sums over query heads [group * heads, + heads) (one kv head's, or part of them). Also runs when
+    // no query sees this key block: the gradients are then 0.
+    static __device__ __forceinline__ void store(const AttnParams& params, int b, int group, int heads,
+                                                 int n_block, const float (&acc_dk)[kDTiles][4],
+                                                 const float (&acc_dv)[kDTiles][4]) {
         const DkdvRole<Cfg> r(opaque(threadIdx.x));
-        const SeqInfo seq(params, b, opaque(h));
+        const SeqInfo seq(params, b, opaque(group) * heads);
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
-        if (params.dk_accum == nullptr) {
+        if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
             store_rows(DirectStore<typename Cfg::Elem>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
         } else {
-            store_rows(PartialStore<Cfg::kHeadDim>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
+            const PartialStore<Cfg::kHeadDim> out(params, seq, group, params.num_heads / heads);
+            store_rows(out, params, seq, r, row_lo, acc_dk, acc_dv);
         }
     }
 
@@ -135,13 +138,16 @@ __device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const 
     }
 }
 
-// GQA: dk[b, j, hk, :D] = sum over the query heads h of group hk, in ascending order, of dk_accum[b, h, j,
-// :D] (already scaled); likewise dv with Dv, for key rows [row0, row0 + kRows). `first` is the SeqInfo of
-// the group's first query head. The fixed order makes dK / dV deterministic even when dQ uses atomics.
+// GQA: dk[b, j, hk, :D] = the sum, in ascending order, of the partials of kv head hk's query heads
+// (h_per_kv / dkdv_heads of them, already scaled; see DkdvEpilogue); likewise dv with Dv, for key rows
+// [row0, row0 + kRows). `first` is the SeqInfo of the group's first query head. The fixed order makes
+// dK / dV deterministic even when dQ uses atomics.
 template <typename Elem, int kHeadDim, int kRows, int kThreads>
 __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const SeqInfo& first, int row0) {
     constexpr int kChunks = kHeadDim / 8;
-    const long long head_size = static_cast<long long>(first.seqlen_k) * kHeadDim;  // floats per (b, h)
+    const long long head_size = static_cast<long long>(first.seqlen_k) * kHeadDim;  // floats per partial
+    const int parts = params.h_per_kv / params.dkdv_heads, slots = params.num_heads / params.dkdv_heads;
+    const int slot0 = first.h_kv * parts;
     for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
         const int row = row0 + i / kChunks;
         const int c = i % kChunks;
@@ -151,9 +157,10 @@ __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const
         for (int which = 0; which < 2; ++which) {
             const int cols = which == 0 ? params.head_dim : params.head_dim_v;
             if (c * 8 >= cols) continue;
-            const float* part = (which == 0 ? first.dk_accum(params, kHeadDim) : first.dv_accum(params, kHeadDim)) + offset;
+            const float* part = (which == 0 ? first.dk_accum(params, kHeadDim, slot0, slots)
+                                            : first.dv_accum(params, kHeadDim, slot0, slots)) + offset;
             float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int j = 0; j < params.h_per_kv; ++j) {
+            for (int j = 0; j < parts; ++j) {
                 const float4 x = reinterpret_cast<const float4*>(part + j * head_size)[0];
                 const float4 y = reinterpret_cast<const float4*>(part + j * head_size)[1];
                 sum[0] += x.x; sum[1] += x.y; sum[2] += x.z; sum[3] += x.w;

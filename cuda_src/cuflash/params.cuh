@@ -27,8 +27,9 @@ struct AttnParams {
     void* dk;
     void* dv;
     float* dq_accum;    // fp32 dQ accumulator (unscaled), or null
-    float* dk_accum;    // fp32 per-query-head dK partials when H != Hkv, else null
-    float* dv_accum;    // fp32 per-query-head dV partials when H != Hkv, else null
+    float* dk_accum;    // fp32 dK partials, one per dkdv_heads query heads, when those are fewer than
+                        // a GQA group; else null (dK/dV go straight to dk / dv)
+    float* dv_accum;    // fp32 dV partials, the same way
     float* softmax_d;   // rowsum(dO * O) - dlse, written by the backward pre-pass
     const float* dlse;  // gradient flowing into lse, or null
 
@@ -51,6 +52,7 @@ struct AttnParams {
     int head_dim;       // runtime D   (<= the variant's kHeadDim bucket)
     int head_dim_v;     // runtime Dv  (<= the variant's kHeadDim bucket)
     int h_per_kv;       // num_heads / num_heads_k
+    int dkdv_heads;     // query heads one dK/dV CTA accumulates (a divisor of h_per_kv; the plan picks it)
     int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2

@@ -91,6 +91,14 @@ struct SeqInfo {
     __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width) const {
         return p.dv_accum + bh(p) * seqlen_k * width;
     }
+    // Partial `slot` of `slots` per batch, (B, slots, Sk, width): the tensor-core dK/dV kernel writes one
+    // per dkdv_heads query heads.
+    __device__ __forceinline__ float* dk_accum(const AttnParams& p, int width, int slot, int slots) const {
+        return p.dk_accum + (static_cast<long long>(b) * slots + slot) * seqlen_k * width;
+    }
+    __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width, int slot, int slots) const {
+        return p.dv_accum + (static_cast<long long>(b) * slots + slot) * seqlen_k * width;
+    }
 };
 
 }  // namespace cuflash

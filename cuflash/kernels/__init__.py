@@ -18,6 +18,8 @@ from dataclasses import dataclass
 #: Head-dim buckets: one compiled variant serves every multiple of 8 up to its bucket.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+#: Multiprocessors assumed by plans made without a device (CPU tests, ``compile``): an H100 SXM's.
+DEFAULT_SMS = 132
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -83,6 +85,7 @@ class Plan:
 
     launches: tuple
     scratch: tuple = ()  # ((field, shape), ...)
+    fields: tuple = ()  # ((AttnParams scalar field, value), ...) the plan sets, e.g. dkdv_heads
 
     def scratch_dict(self) -> dict:
         return dict(self.scratch)
@@ -104,10 +107,10 @@ def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     return module.plan_forward(shape, arch)
 
 
-def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
+def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = DEFAULT_SMS) -> Plan:
     family = _family(shape)
     module = family if not isinstance(family, tuple) else family[1]
-    return module.plan_backward(shape, arch, deterministic)
+    return module.plan_backward(shape, arch, deterministic, num_sms=num_sms)
 
 
 def all_variants(arch: int) -> list:

@@ -5,9 +5,10 @@ Launch order::
     deterministic=False: preprocess (also zeroes dq_accum) -> dkdv<atomic dQ> -> convert_dq -> [reduce_dkdv]
     deterministic=True:  preprocess -> dkdv<no dQ> -> dq                             -> [reduce_dkdv]
 
-``reduce_dkdv`` runs only when ``num_heads != num_heads_k`` (GQA / MQA): the dK/dV kernel runs one block
-per QUERY head (so MQA still fills the GPU), writes fp32 per-query-head partials, and the reduction sums
-each group in a fixed order. With ``deterministic=True`` no kernel uses float atomics, so two runs are
+With GQA / MQA the dK/dV kernel runs one block per ``dkdv_heads`` query heads of a group (see
+:func:`dkdv_heads`: enough blocks to fill the GPU), keeping dK / dV in registers across those heads; when
+that is less than the whole group it writes fp32 partials, and ``reduce_dkdv`` sums each group's in a fixed
+order. With ``deterministic=True`` no kernel uses float atomics, so two runs are
 bit-identical.
 
 Shared-memory sizes are formulas of the template arguments that mirror the ``DkdvConfig`` / ``DqConfig``
@@ -248,7 +249,29 @@ def dq_variant(arch: int, dtype: str, bucket: int, causal: bool) -> KernelVarian
         tile.num_warps * 32, smem), arch)
 
 
-def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
+def dkdv_heads(shape: ProblemShape, key_blocks: int, num_sms: int) -> int:
+    """Query heads one dK/dV CTA accumulates (a divisor of the GQA group size ``H / Hkv``).
+
+    A CTA keeps its key block's dK / dV in registers across the query heads it walks, so G heads per CTA
+    write G times fewer fp32 partials (none at all, and no reduce kernel, when G is the whole group),
+    but the grid has G times fewer CTAs. The cost model is waves x work per CTA,
+    ``ceil(CTAs / num_sms) * G``; among the cheapest, the largest G wins. MQA B2 S1k H8 D256 (32 key
+    blocks x batches): G = 2, one wave of 128 CTAs instead of two of 256, half the partials;
+    GQA 32/8 B4 S4k D128: G = 4 (the whole group), 256 CTAs, dK / dV written directly.
+    """
+    group = shape.num_heads // shape.num_heads_k
+    best, best_cost = 1, None
+    for g in range(1, group + 1):
+        if group % g:
+            continue
+        ctas = key_blocks * (shape.num_heads // g) * shape.batch
+        cost = _ceil_div(ctas, num_sms) * g
+        if best_cost is None or cost <= best_cost:
+            best, best_cost = g, cost
+    return best
+
+
+def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = 132) -> Plan:
     if shape.dtype not in DTYPES:
         raise ValueError(f"dtype={shape.dtype!r}: the tensor-core backward takes float16 or bfloat16")
     if shape.num_heads % shape.num_heads_k != 0:
@@ -260,7 +283,9 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
     dkdv = dkdv_variant(arch, dtype, bucket, causal, atomic_dq=not deterministic)
-    launches.append(Launch(dkdv, (_ceil_div(sk, dkdv.config.block_n), h, b)))
+    key_blocks = _ceil_div(sk, dkdv.config.block_n)
+    heads = dkdv_heads(shape, key_blocks, num_sms)
+    launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
     scratch = [("softmax_d", (b, h, sq))]
     if deterministic:
         dq = dq_variant(arch, dtype, bucket, causal)
@@ -268,11 +293,11 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
         scratch.append(("dq_accum", (b, h, sq, bucket)))
-    if h != hk:
+    if heads != h // hk:  # partials of each `heads` query heads, summed per group in a fixed order
         launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, SMALL_BLOCK_ROWS), hk, b)))
-        scratch.append(("dk_accum", (b, h, sk, bucket)))
-        scratch.append(("dv_accum", (b, h, sk, bucket)))
-    return Plan(launches=tuple(launches), scratch=tuple(scratch))
+        scratch.append(("dk_accum", (b, h // heads, sk, bucket)))
+        scratch.append(("dv_accum", (b, h // heads, sk, bucket)))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(("dkdv_heads", heads),))
 
 
 def all_variants(arch: int) -> list:

@@ -166,13 +166,13 @@ def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     return Plan(launches=(Launch(variant, grid),))
 
 
-def plan_backward(shape: ProblemShape, arch: int, deterministic: bool) -> Plan:
+def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int | None = None) -> Plan:
     """Pre-pass -> dK/dV (-> GQA reduce) -> dQ. Always deterministic, whatever ``deterministic`` says.
 
     Scratch: ``softmax_d`` (B, H, Sq); with GQA/MQA (H != Hkv) also ``dk_accum`` / ``dv_accum``
     (B, H, Sk, kHeadDim), per-query-head partials (dk pre-scaled) that the reduce kernel sums.
     """
-    del deterministic  # no atomics anywhere: every reduction has a fixed order
+    del deterministic, num_sms  # no atomics anywhere: every reduction has a fixed order; one head per CTA
     _check(shape, arch)
     bucket = shape.head_dim_bucket
     b, h, h_kv, sq, sk = shape.batch, shape.num_heads, shape.num_heads_k, shape.seqlen_q, shape.seqlen_k
