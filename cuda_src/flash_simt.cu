@@ -6,21 +6,14 @@
 // to exactness here; the tiles are still register-blocked so CUDA cores, not shared memory, bound
 // the run time.
 //
-// Thread layout (every tile kernel): 256 threads form a 16 x 16 grid, tx = tid % 16, ty = tid / 16.
-//   Score tiles (rows x cols): thread (ty, tx) owns rows ty + 16*i and columns tx + 16*j. The 16
-//   threads of a row are one half-warp, so row max / row sum are four xor-shuffles, and the rows a
-//   warp writes to a shared P / dS tile are the rows that same warp reads back (__syncwarp suffices).
-//   Output tiles (rows x kHeadDim): the same rows; columns in chunks of kVec (float4 when kHeadDim
-//   is a multiple of 64, else float2): chunk c of thread tx covers columns (16*c + tx) * kVec + [0, kVec).
+// Thread layout, shared-tile staging and the FFMA tile products: cuflash/simt_tile.cuh (256 threads as
+// a 16 x 16 grid; thread (ty, tx) owns rows ty + 16*i and columns tx + 16*j of a score tile and the
+// same rows of an output tile).
 //
 // Accuracy: every long sum is two-level. A key (or query) block's contribution is summed into a
 // zeroed block accumulator and only then added to the running one, so rounding grows like
 // sqrt(kBlock) + sqrt(S / kBlock) instead of sqrt(S): at S = 16k (D = 64) the max relative error of
 // O, dQ and dK drops from ~5e-6 to <= 1.1e-6 (measured on a float32 numpy port of these loops).
-//
-// Shared-memory tiles of Q/K/V/dO are row-major with a pitch of kHeadDim + 4 floats: the 16 B pad
-// makes eight consecutive rows start in eight different 16-byte bank groups (kHeadDim/4 + 1 is
-// odd), so the float4 reads of 16 different rows in the Q.K^T loop are conflict-free.
 //
 // Kernels (all deterministic: no atomics, every sum in a fixed order):
 //   flash_fwd_simt_kernel             grid (ceil(Sq/kBlockM), H, B)
@@ -32,186 +25,16 @@
 
 #include "cuflash/params.cuh"
 #include "cuflash/mask.cuh"
-#include "cuflash/mma_sm80.cuh"
+#include "cuflash/simt_tile.cuh"
 
 namespace cuflash {
 namespace simt {
 
-constexpr int kThreads = 256;
 // Two resident blocks per SM: caps registers at 128 (2 x 256 threads fill the 64K register file).
 // Without the hint ptxas (CUDA 13, sm_90a) squeezed some variants to 80 registers and spilled.
 constexpr int kMinBlocksPerSm = 2;
-constexpr int kLanesPerRow = 16;                      // a half-warp shares each tile row
-constexpr int kThreadRows = kThreads / kLanesPerRow;  // 16
-constexpr int kPad = 4;                               // floats of padding per smem row (16 B)
-constexpr int kPrepRows = 32;                         // query rows per pre-pass block
-constexpr int kReduceRows = 16;                       // key rows per GQA reduce block
-
-// NVRTC has no <math.h>, hence no INFINITY macro.
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float* shared_floats() {
-    extern __shared__ __align__(16) float smem[];
-    return smem;
-}
-
-// Columns of a (rows x kHeadDim) output tile that one thread owns.
-template <int kHeadDim>
-struct OutCols {
-    static constexpr int kVec = kHeadDim % (kLanesPerRow * 4) == 0 ? 4 : 2;
-    static constexpr int kChunks = kHeadDim / (kLanesPerRow * kVec);
-    static constexpr int kPerThread = kChunks * kVec;
-    static_assert(kHeadDim % (kLanesPerRow * kVec) == 0, "kHeadDim must be a multiple of 32");
-    static __device__ __forceinline__ int col(int tx, int chunk) { return (chunk * kLanesPerRow + tx) * kVec; }
-};
-
-__device__ __forceinline__ bool aligned16(const void* ptr) {
-    return (reinterpret_cast<unsigned long long>(ptr) & 15ull) == 0;
-}
-
-// Stages rows [0, kRows) x columns [0, kCols) of a global row-major tile into shared memory (row
-// pitch kPitch floats). Entries outside rows_valid x cols_valid are zero-filled and never read.
-// 16-byte cp.async when the tile base and the row stride allow it (the caller waits on the group),
-// else plain scalar loads (complete when the caller's next barrier passes).
-template <int kRows, int kCols, int kPitch>
-__device__ __forceinline__ void load_tile(float* smem, const float* gmem, long long row_stride,
-                                          int rows_valid, int cols_valid) {
-    constexpr int kChunksPerRow = kCols / 4;
-    static_assert(kCols % 4 == 0 && kPitch % 4 == 0, "tiles are copied in 16-byte chunks");
-    const bool vec = aligned16(gmem) && row_stride % 4 == 0 && cols_valid % 4 == 0;
-    for (int chunk = threadIdx.x; chunk < kRows * kChunksPerRow; chunk += kThreads) {
-        const int r = chunk / kChunksPerRow;
-        const int c = (chunk % kChunksPerRow) * 4;
-        float* dst = smem + r * kPitch + c;
-        if (vec) {
-            const bool valid = r < rows_valid && c < cols_valid;
-            const float* src = valid ? gmem + r * row_stride + c : gmem;
-            sm80::cp_async_16(sm80::smem_addr(dst), src, valid);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                dst[e] = (r < rows_valid && c + e < cols_valid) ? gmem[r * row_stride + c + e] : 0.f;
-            }
-        }
-    }
-}
-
-// acc[i][j] = sum_{d < depth} A[ty + 16i][d] * B[tx + 16j][d], A and B in smem with row pitch kPitch.
-// depth is the runtime head dim rounded up to 4; the zero-filled columns past it are skipped.
-template <int kRowsA, int kRowsB, int kPitch>
-__device__ __forceinline__ void tile_dot_abt(float (&acc)[kRowsA / kThreadRows][kRowsB / kLanesPerRow],
-                                             const float* sA, const float* sB, int depth, int tx, int ty) {
-    constexpr int kI = kRowsA / kThreadRows;
-    constexpr int kJ = kRowsB / kLanesPerRow;
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-        for (int j = 0; j < kJ; ++j) acc[i][j] = 0.f;
-#pragma unroll 2
-    for (int d = 0; d < depth; d += 4) {
-        float4 a[kI], b[kJ];
-#pragma unroll
-        for (int i = 0; i < kI; ++i) a[i] = *reinterpret_cast<const float4*>(sA + (ty + i * kThreadRows) * kPitch + d);
-#pragma unroll
-        for (int j = 0; j < kJ; ++j) b[j] = *reinterpret_cast<const float4*>(sB + (tx + j * kLanesPerRow) * kPitch + d);
-#pragma unroll
-        for (int i = 0; i < kI; ++i) {
-#pragma unroll
-            for (int j = 0; j < kJ; ++j) {
-                acc[i][j] = fmaf(a[i].x, b[j].x, acc[i][j]);
-                acc[i][j] = fmaf(a[i].y, b[j].y, acc[i][j]);
-                acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]);
-                acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
-            }
-        }
-    }
-}
-
-// acc[i][c] += sum_{k < kDepth} P[ty + 16i][k] * B[k][col c], P in smem with pitch kPPitch (rows
-// this thread's warp wrote), B a (kDepth x kHeadDim) smem tile with pitch kPitch.
-template <int kRowsP, int kDepth, int kPPitch, int kHeadDim, int kPitch>
-__device__ __forceinline__ void tile_acc_pb(float (&acc)[kRowsP / kThreadRows][OutCols<kHeadDim>::kPerThread],
-                                            const float* sP, const float* sB, int tx, int ty) {
-    using Cols = OutCols<kHeadDim>;
-    constexpr int kI = kRowsP / kThreadRows;
-    static_assert(kDepth % 4 == 0 && kPPitch % 4 == 0, "P rows are read as float4");
-#pragma unroll 2
-    for (int k = 0; k < kDepth; k += 4) {
-        float4 p4[kI];
-#pragma unroll
-        for (int i = 0; i < kI; ++i) p4[i] = *reinterpret_cast<const float4*>(sP + (ty + i * kThreadRows) * kPPitch + k);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const float* b_row = sB + (k + kk) * kPitch;
-#pragma unroll
-            for (int c = 0; c < Cols::kChunks; ++c) {
-                float b[Cols::kVec];
-                if constexpr (Cols::kVec == 4) {
-                    const float4 v = *reinterpret_cast<const float4*>(b_row + Cols::col(tx, c));
-                    b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
-                } else {
-                    const float2 v = *reinterpret_cast<const float2*>(b_row + Cols::col(tx, c));
-                    b[0] = v.x; b[1] = v.y;
-                }
-#pragma unroll
-                for (int i = 0; i < kI; ++i) {
-                    const float p = kk == 0 ? p4[i].x : kk == 1 ? p4[i].y : kk == 2 ? p4[i].z : p4[i].w;
-#pragma unroll
-                    for (int e = 0; e < Cols::kVec; ++e) {
-                        acc[i][c * Cols::kVec + e] = fmaf(p, b[e], acc[i][c * Cols::kVec + e]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-template <int kI, int kC>
-__device__ __forceinline__ void fill_zero(float (&x)[kI][kC]) {
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-        for (int c = 0; c < kC; ++c) x[i][c] = 0.f;
-}
-
-template <int kI, int kC>
-__device__ __forceinline__ void add_into(float (&acc)[kI][kC], const float (&x)[kI][kC]) {
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-        for (int c = 0; c < kC; ++c) acc[i][c] += x[i][c];
-}
-
-// Reductions over the 16 threads of a tile row (a half-warp: xor offsets < 16 stay inside it).
-__device__ __forceinline__ float row_max16(float x) {
-#pragma unroll
-    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-}
-__device__ __forceinline__ float row_sum16(float x) {
-#pragma unroll
-    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-}
-
-// Writes vals[0, kVec) to dst_row[col, col + kVec), skipping columns >= cols_valid; one vector
-// store when the address is aligned and the chunk lies wholly inside.
-template <int kVec>
-__device__ __forceinline__ void store_chunk(float* dst_row, int col, const float* vals, int cols_valid) {
-    float* dst = dst_row + col;
-    if (col + kVec <= cols_valid && (reinterpret_cast<unsigned long long>(dst) % (4 * kVec)) == 0) {
-        if constexpr (kVec == 4) {
-            *reinterpret_cast<float4*>(dst) = make_float4(vals[0], vals[1], vals[2], vals[3]);
-        } else {
-            *reinterpret_cast<float2*>(dst) = make_float2(vals[0], vals[1]);
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-            if (col + e < cols_valid) dst[e] = vals[e];
-        }
-    }
-}
+constexpr int kPrepRows = 32;    // query rows per pre-pass block
+constexpr int kReduceRows = 16;  // key rows per GQA reduce block
 
 // P = exp(s * scale - lse) recomputed in the backward. expf of one fused fma rounds once on a small
 // argument; folding lse into a log2 domain would add a rounding of size eps * |lse * log2(e)|.
@@ -221,8 +44,8 @@ __device__ __forceinline__ float recompute_p(float s, float scale, float lse_or_
 }
 
 __device__ __forceinline__ float lse_for_backward(const float* lse_row, int row, int seqlen_q) {
-    const float lse = row < seqlen_q ? lse_row[row] : infinity();
-    return lse == -infinity() ? infinity() : lse;
+    const float lse = row < seqlen_q ? lse_row[row] : INFINITY;
+    return lse == -INFINITY ? INFINITY : lse;
 }
 
 // Shared-memory layouts; kSmemBytes is mirrored by cuflash/kernels/simt.py.
@@ -265,8 +88,6 @@ struct DqSmem {
     static constexpr unsigned kSmemBytes = kFloats * sizeof(float);
 };
 
-__device__ __forceinline__ int round_up4(int x) { return (x + 3) & ~3; }
-
 }  // namespace simt
 
 // ---------------------------------------------------------------------------------------------
@@ -281,8 +102,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
     constexpr int kCols = kBlockN / kLanesPerRow;    // keys per thread per block
     static_assert(kBlockM % kThreadRows == 0 && kBlockN % kLanesPerRow == 0, "tiles are 16 x 16 thread grids");
 
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
+    float* smem = shared_floats<Smem::kSmemBytes>();
     float* sQ = smem + Smem::kQ;
     float* sK = smem + Smem::kK;
     float* sV = smem + Smem::kV;
@@ -308,7 +128,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
     float l_i[kRows];  // this thread's share of the running row sum, relative to m_i
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-        m_i[i] = -infinity();
+        m_i[i] = -INFINITY;
         l_i[i] = 0.f;
 #pragma unroll
         for (int c = 0; c < Cols::kPerThread; ++c) acc_o[i][c] = 0.f;
@@ -338,7 +158,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int j = 0; j < kCols; ++j)
-                    if (!mask.visible(row0 + ty + i * kThreadRows, col0 + tx + j * kLanesPerRow)) s[i][j] = -infinity();
+                    if (!mask.visible(row0 + ty + i * kThreadRows, col0 + tx + j * kLanesPerRow)) s[i][j] = -INFINITY;
         }
 
         float row_correction[kRows];
@@ -350,10 +170,10 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
 #pragma unroll
             for (int j = 0; j < kCols; ++j) m_new = fmaxf(m_new, s[i][j]);
             m_new = row_max16(m_new);
-            const float m_scaled_new = m_new == -infinity() ? 0.f : m_new * params.scale_log2;
-            const float m_scaled_old = m_i[i] == -infinity() ? 0.f : m_i[i] * params.scale_log2;
+            const float m_scaled_new = m_new == -INFINITY ? 0.f : m_new * params.scale_log2;
+            const float m_scaled_old = m_i[i] == -INFINITY ? 0.f : m_i[i] * params.scale_log2;
             // Nothing accumulated yet when m_i is -inf: the factor multiplies zeros, keep it finite.
-            const float correction = m_i[i] == -infinity() ? 0.f : exp2f(m_scaled_old - m_scaled_new);
+            const float correction = m_i[i] == -INFINITY ? 0.f : exp2f(m_scaled_old - m_scaled_new);
             m_i[i] = m_new;
             float row_sum = 0.f;
 #pragma unroll
@@ -400,7 +220,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
             for (int e = 0; e < Cols::kVec; ++e) vals[e] = empty ? 0.f : acc_o[i][c * Cols::kVec + e] / l;
             store_chunk<Cols::kVec>(o_row, Cols::col(tx, c), vals, params.head_dim_v);
         }
-        if (tx == 0) lse_row[row] = empty ? -infinity() : m_i[i] * params.scale + logf(l);
+        if (tx == 0) lse_row[row] = empty ? -INFINITY : m_i[i] * params.scale + logf(l);
     }
 }
 
@@ -453,8 +273,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
     constexpr int kCols = kBlockM / kLanesPerRow;  // queries per thread per block
     static_assert(kBlockM % kLanesPerRow == 0 && kBlockN % kThreadRows == 0, "tiles are 16 x 16 thread grids");
 
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
+    float* smem = shared_floats<Smem::kSmemBytes>();
     float* sK = smem + Smem::kK;
     float* sV = smem + Smem::kV;
     float* sQ = smem + Smem::kQ;
@@ -642,8 +461,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
     constexpr int kCols = kBlockN / kLanesPerRow;  // keys per thread per block
     static_assert(kBlockM % kThreadRows == 0 && kBlockN % kLanesPerRow == 0, "tiles are 16 x 16 thread grids");
 
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
+    float* smem = shared_floats<Smem::kSmemBytes>();
     float* sQ = smem + Smem::kQ;
     float* sdO = smem + Smem::kDO;
     float* sK = smem + Smem::kK;
