@@ -6,21 +6,24 @@
 // to exactness here; the tiles are still register-blocked so CUDA cores, not shared memory, bound
 // the run time.
 //
-// Thread layout (every tile kernel): 256 threads form a 16 x 16 grid, tx = tid % 16, ty = tid / 16.
-//   Score tiles (rows x cols): thread (ty, tx) owns rows ty + 16*i and columns tx + 16*j. The 16
-//   threads of a row are one half-warp, so row max / row sum are four xor-shuffles, and the rows a
-//   warp writes to a shared P / dS tile are the rows that same warp reads back (__syncwarp suffices).
-//   Output tiles (rows x kHeadDim): the same rows; columns in chunks of kVec (float4 when kHeadDim
-//   is a multiple of 64, else float2): chunk c of thread tx covers columns (16*c + tx) * kVec + [0, kVec).
+// Built on the same parts as the tensor-core kernels, so a feature added there reaches this path too:
+// sequence info (cuflash/seqlen.cuh: every pointer and length of a (batch, head)), block ranges
+// (cuflash/block.cuh: KeyBlocks / QueryBlocks), the mask (cuflash/mask.cuh: AttnMask::visible) and the
+// score modifier (cuflash/score_mod.cuh: apply_one on each raw score before the mask, grad_one on each
+// dS), all chosen in simt::Config. The thread grid and the FFMA tile products are in
+// cuflash/simt_tile.cuh: 256 threads as 16 x 16, thread (ty, tx) owning rows ty + 16*i and columns
+// tx + 16*j of a score tile and the same rows of an output tile.
+//
+// Backward: both kernels run one mainloop (BwdMainloop). A block keeps one side's tiles resident (K, V
+// for dK/dV; Q, dO for dQ) and streams the other side's blocks; the score tile is held with the resident
+// side as thread rows (kKeyRows: keys, so the rows of P^T / dS^T a warp writes are exactly the dK / dV
+// rows it accumulates), and the recomputation of P and dS is one code path for both.
 //
 // Accuracy: every long sum is two-level. A key (or query) block's contribution is summed into a
 // zeroed block accumulator and only then added to the running one, so rounding grows like
 // sqrt(kBlock) + sqrt(S / kBlock) instead of sqrt(S): at S = 16k (D = 64) the max relative error of
-// O, dQ and dK drops from ~5e-6 to <= 1.1e-6 (measured on a float32 numpy port of these loops).
-//
-// Shared-memory tiles of Q/K/V/dO are row-major with a pitch of kHeadDim + 4 floats: the 16 B pad
-// makes eight consecutive rows start in eight different 16-byte bank groups (kHeadDim/4 + 1 is
-// odd), so the float4 reads of 16 different rows in the Q.K^T loop are conflict-free.
+// O, dQ and dK drops from ~5e-6 to <= 1.1e-6 (measured on a float32 numpy port of these loops). The
+// blocks are visited in ascending order.
 //
 // Kernels (all deterministic: no atomics, every sum in a fixed order):
 //   flash_fwd_simt_kernel             grid (ceil(Sq/kBlockM), H, B)
@@ -28,190 +31,192 @@
 //   flash_bwd_dkdv_simt_kernel        grid (ceil(Sk/kBlockN), H, B): one block per QUERY head
 //   flash_bwd_reduce_dkdv_simt_kernel grid (ceil(Sk/kReduceRows), Hkv, B): GQA group sums
 //   flash_bwd_dq_simt_kernel          grid (ceil(Sq/kBlockM), H, B)
-// The host-side plan (cuflash/kernels/simt.py) mirrors every kSmemBytes formula below.
+// The host-side plan (cuflash/kernels/simt.py) mirrors every kSmemBytes formula below
+// (CUFLASH_CHECK_SMEM_BYTES).
 
 #include "cuflash/params.cuh"
+#include "cuflash/seqlen.cuh"
+#include "cuflash/block.cuh"
 #include "cuflash/mask.cuh"
-#include "cuflash/mma_sm80.cuh"
+#include "cuflash/score_mod.cuh"
+#include "cuflash/simt_tile.cuh"
 
 namespace cuflash {
 namespace simt {
 
-constexpr int kThreads = 256;
 // Two resident blocks per SM: caps registers at 128 (2 x 256 threads fill the 64K register file).
 // Without the hint ptxas (CUDA 13, sm_90a) squeezed some variants to 80 registers and spilled.
 constexpr int kMinBlocksPerSm = 2;
-constexpr int kLanesPerRow = 16;                      // a half-warp shares each tile row
-constexpr int kThreadRows = kThreads / kLanesPerRow;  // 16
-constexpr int kPad = 4;                               // floats of padding per smem row (16 B)
-constexpr int kPrepRows = 32;                         // query rows per pre-pass block
-constexpr int kReduceRows = 16;                       // key rows per GQA reduce block
+constexpr int kPrepRows = 32;    // query rows per pre-pass block
+constexpr int kReduceRows = 16;  // key rows per GQA reduce block
 
-// NVRTC has no <math.h>, hence no INFINITY macro.
-__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float* shared_floats() {
-    extern __shared__ __align__(16) float smem[];
-    return smem;
-}
-
-// Columns of a (rows x kHeadDim) output tile that one thread owns.
-template <int kHeadDim>
-struct OutCols {
-    static constexpr int kVec = kHeadDim % (kLanesPerRow * 4) == 0 ? 4 : 2;
-    static constexpr int kChunks = kHeadDim / (kLanesPerRow * kVec);
-    static constexpr int kPerThread = kChunks * kVec;
-    static_assert(kHeadDim % (kLanesPerRow * kVec) == 0, "kHeadDim must be a multiple of 32");
-    static __device__ __forceinline__ int col(int tx, int chunk) { return (chunk * kLanesPerRow + tx) * kVec; }
+// A tiled SIMT kernel's template arguments and the parts it is built from: the one place that picks
+// the mask, the block ranges and the score modifier.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsCausal_>
+struct Config {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kPitch = kHeadDim + kPad;  // row pitch of the (rows x kHeadDim) shared tiles
+    using Cols = OutCols<kHeadDim>;
+    using Mask = AttnMask<kIsCausal>;
+    using Keys = KeyBlocks<kBlockM, kBlockN>;       // key blocks of a query block (forward, dQ)
+    using Queries = QueryBlocks<kBlockM, kBlockN>;  // query blocks of a key block (dK / dV)
+    using ScoreMod = IdentityScoreMod;
+    static_assert(kBlockM % kThreadRows == 0 && kBlockN % kThreadRows == 0 && kThreadRows == kLanesPerRow,
+                  "tiles are 16 x 16 thread grids");
 };
 
-__device__ __forceinline__ bool aligned16(const void* ptr) {
-    return (reinterpret_cast<unsigned long long>(ptr) & 15ull) == 0;
-}
+// Stages one (batch, head)'s operand rows into (rows x kHeadDim) shared tiles: q / dout take kBlockM rows
+// from query row `row`, k / v kBlockN rows from key row `row`. Rows past the sequence and columns past
+// D / Dv are zero-filled; the caller commits the cp.async group.
+template <typename Cfg>
+struct Loads {
+    const AttnParams& params;
+    const SeqInfo& seq;
 
-// Stages rows [0, kRows) x columns [0, kCols) of a global row-major tile into shared memory (row
-// pitch kPitch floats). Entries outside rows_valid x cols_valid are zero-filled and never read.
-// 16-byte cp.async when the tile base and the row stride allow it (the caller waits on the group),
-// else plain scalar loads (complete when the caller's next barrier passes).
-template <int kRows, int kCols, int kPitch>
-__device__ __forceinline__ void load_tile(float* smem, const float* gmem, long long row_stride,
-                                          int rows_valid, int cols_valid) {
-    constexpr int kChunksPerRow = kCols / 4;
-    static_assert(kCols % 4 == 0 && kPitch % 4 == 0, "tiles are copied in 16-byte chunks");
-    const bool vec = aligned16(gmem) && row_stride % 4 == 0 && cols_valid % 4 == 0;
-    for (int chunk = threadIdx.x; chunk < kRows * kChunksPerRow; chunk += kThreads) {
-        const int r = chunk / kChunksPerRow;
-        const int c = (chunk % kChunksPerRow) * 4;
-        float* dst = smem + r * kPitch + c;
-        if (vec) {
-            const bool valid = r < rows_valid && c < cols_valid;
-            const float* src = valid ? gmem + r * row_stride + c : gmem;
-            sm80::cp_async_16(sm80::smem_addr(dst), src, valid);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                dst[e] = (r < rows_valid && c + e < cols_valid) ? gmem[r * row_stride + c + e] : 0.f;
-            }
-        }
+    template <int kRows>
+    __device__ __forceinline__ void rows(float* dst, const float* src, long long stride, int valid, int cols) const {
+        load_tile<kRows, Cfg::kHeadDim, Cfg::kPitch>(dst, src, stride, valid, cols);
     }
+    __device__ __forceinline__ void q(float* dst, int row) const {
+        rows<Cfg::kBlockM>(dst, seq.q<float>(params, row), params.q_row_stride, seq.seqlen_q - row, params.head_dim);
+    }
+    __device__ __forceinline__ void dout(float* dst, int row) const {
+        rows<Cfg::kBlockM>(dst, seq.dout<float>(params, row), params.do_row_stride, seq.seqlen_q - row,
+                           params.head_dim_v);
+    }
+    __device__ __forceinline__ void k(float* dst, int row) const {
+        rows<Cfg::kBlockN>(dst, seq.k<float>(params, row), params.k_row_stride, seq.seqlen_k - row, params.head_dim);
+    }
+    __device__ __forceinline__ void v(float* dst, int row) const {
+        rows<Cfg::kBlockN>(dst, seq.v<float>(params, row), params.v_row_stride, seq.seqlen_k - row,
+                           params.head_dim_v);
+    }
+};
+
+// Where element (i, j) of a thread's score tile sits: tile row ty + 16*i, column tx + 16*j. Tile rows
+// are queries (forward, dQ) or, with kKeyRows, keys (the dK / dV kernel's transposed tile).
+template <bool kKeyRows>
+struct TilePos {
+    int tx, ty;
+    __device__ __forceinline__ int query(int row0, int i, int j) const {
+        return kKeyRows ? row0 + tx + j * kLanesPerRow : row0 + ty + i * kThreadRows;
+    }
+    __device__ __forceinline__ int key(int col0, int i, int j) const {
+        return kKeyRows ? col0 + ty + i * kThreadRows : col0 + tx + j * kLanesPerRow;
+    }
+};
+
+template <bool kKeyRows>
+__device__ __forceinline__ TilePos<kKeyRows> this_thread() {
+    return {static_cast<int>(threadIdx.x % kLanesPerRow), static_cast<int>(threadIdx.x / kLanesPerRow)};
 }
 
-// acc[i][j] = sum_{d < depth} A[ty + 16i][d] * B[tx + 16j][d], A and B in smem with row pitch kPitch.
-// depth is the runtime head dim rounded up to 4; the zero-filled columns past it are skipped.
-template <int kRowsA, int kRowsB, int kPitch>
-__device__ __forceinline__ void tile_dot_abt(float (&acc)[kRowsA / kThreadRows][kRowsB / kLanesPerRow],
-                                             const float* sA, const float* sB, int depth, int tx, int ty) {
-    constexpr int kI = kRowsA / kThreadRows;
-    constexpr int kJ = kRowsB / kLanesPerRow;
+// ---------------------------------------------------------------------------------------------
+// Forward pieces.
+// ---------------------------------------------------------------------------------------------
+
+// Shared-memory layout, tiles back to back; kSmemBytes is mirrored by cuflash/kernels/simt.py.
+template <typename Cfg>
+struct FwdSmem {
+    static constexpr int kPPitch = Cfg::kBlockN + kPad;
+    static constexpr unsigned kSmemBytes =
+        ((Cfg::kBlockM + 2 * Cfg::kBlockN) * Cfg::kPitch + Cfg::kBlockM * kPPitch) * sizeof(float);
+    float* q;  // kBlockM rows
+    float* k;  // kBlockN rows
+    float* v;  // kBlockN rows
+    float* p;  // kBlockM x kBlockN, pitch kPPitch
+    __device__ __forceinline__ explicit FwdSmem(float* base)
+        : q(base), k(q + Cfg::kBlockM * Cfg::kPitch), v(k + Cfg::kBlockN * Cfg::kPitch),
+          p(v + Cfg::kBlockN * Cfg::kPitch) {}
+};
+
+// Raw scores -> the score modifier -> -inf where the mask hides the pair (tested only in tiles that
+// may hold such a pair).
+template <typename Cfg, int kI, int kJ>
+__device__ __forceinline__ void modify_and_mask(float (&s)[kI][kJ], const typename Cfg::Mask& mask,
+                                                TilePos<false> at, int row0, int col0) {
+    const typename Cfg::ScoreMod score_mod{};
 #pragma unroll
     for (int i = 0; i < kI; ++i)
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) acc[i][j] = 0.f;
-#pragma unroll 2
-    for (int d = 0; d < depth; d += 4) {
-        float4 a[kI], b[kJ];
+        for (int j = 0; j < kJ; ++j) s[i][j] = score_mod.apply_one(s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+    if (mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN)) {
 #pragma unroll
-        for (int i = 0; i < kI; ++i) a[i] = *reinterpret_cast<const float4*>(sA + (ty + i * kThreadRows) * kPitch + d);
+        for (int i = 0; i < kI; ++i)
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) b[j] = *reinterpret_cast<const float4*>(sB + (tx + j * kLanesPerRow) * kPitch + d);
+            for (int j = 0; j < kJ; ++j)
+                if (!mask.visible(at.query(row0, i, j), at.key(col0, i, j))) s[i][j] = -INFINITY;
+    }
+}
+
+// The forward's online softmax for a thread's rows: the running row max m of the raw scores (-inf
+// while the row has seen nothing) and the thread's share l of the running row sum, relative to m.
+template <int kRows>
+struct RowSoftmax {
+    float m[kRows];
+    float l[kRows];
+
+    __device__ __forceinline__ RowSoftmax() {
 #pragma unroll
-        for (int i = 0; i < kI; ++i) {
+        for (int i = 0; i < kRows; ++i) {
+            m[i] = -INFINITY;
+            l[i] = 0.f;
+        }
+    }
+
+    // Takes in one key block's scores: writes P to the thread's elements of sP (pitch kPPitch) and sets
+    // correction[i], the factor row i's earlier output must be scaled by. Exponents are taken relative
+    // to m_scaled = m * scale_log2 (0 while the row is still empty, so exp2(-inf - 0) = 0 and no
+    // -inf - -inf appears).
+    template <int kPPitch, int kCols>
+    __device__ __forceinline__ void step(const float (&s)[kRows][kCols], float (&correction)[kRows], float* sP,
+                                         float scale_log2, TilePos<false> at) {
 #pragma unroll
-            for (int j = 0; j < kJ; ++j) {
-                acc[i][j] = fmaf(a[i].x, b[j].x, acc[i][j]);
-                acc[i][j] = fmaf(a[i].y, b[j].y, acc[i][j]);
-                acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]);
-                acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
+        for (int i = 0; i < kRows; ++i) {
+            float m_new = m[i];
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) m_new = fmaxf(m_new, s[i][j]);
+            m_new = row_max16(m_new);
+            const float m_scaled_new = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+            const float m_scaled_old = m[i] == -INFINITY ? 0.f : m[i] * scale_log2;
+            // Nothing accumulated yet when m is -inf: the factor multiplies zeros, keep it finite.
+            correction[i] = m[i] == -INFINITY ? 0.f : exp2f(m_scaled_old - m_scaled_new);
+            m[i] = m_new;
+            float row_sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) {
+                const float p = exp2f(fmaf(s[i][j], scale_log2, -m_scaled_new));
+                row_sum += p;
+                sP[(at.ty + i * kThreadRows) * kPPitch + at.tx + j * kLanesPerRow] = p;
             }
+            l[i] = fmaf(l[i], correction[i], row_sum);
         }
+    }
+};
+
+// O = acc_o / l and lse = m * scale + log(l) for the thread's rows < Sq; a row that saw nothing gets
+// 0 and -inf.
+template <typename Cfg, int kRows, int kC>
+__device__ __forceinline__ void store_forward(const AttnParams& params, const SeqInfo& seq,
+                                              const RowSoftmax<kRows>& softmax, const float (&acc_o)[kRows][kC],
+                                              int row0, TilePos<false> at) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        const float l = row_sum16(softmax.l[i]);  // the whole half-warp shuffles, before any row test
+        const int row = at.query(row0, i, 0);
+        if (row >= seq.seqlen_q) continue;
+        const bool empty = !(l > 0.f);
+        store_row<Cfg::kHeadDim>(seq.o<float>(params, row), acc_o[i], params.head_dim_v, at.tx,
+                                 [&](float x) { return empty ? 0.f : x / l; });
+        float* lse = seq.lse(params, row);
+        if (at.tx == 0 && lse != nullptr) *lse = empty ? -INFINITY : softmax.m[i] * params.scale + logf(l);
     }
 }
 
-// acc[i][c] += sum_{k < kDepth} P[ty + 16i][k] * B[k][col c], P in smem with pitch kPPitch (rows
-// this thread's warp wrote), B a (kDepth x kHeadDim) smem tile with pitch kPitch.
-template <int kRowsP, int kDepth, int kPPitch, int kHeadDim, int kPitch>
-__device__ __forceinline__ void tile_acc_pb(float (&acc)[kRowsP / kThreadRows][OutCols<kHeadDim>::kPerThread],
-                                            const float* sP, const float* sB, int tx, int ty) {
-    using Cols = OutCols<kHeadDim>;
-    constexpr int kI = kRowsP / kThreadRows;
-    static_assert(kDepth % 4 == 0 && kPPitch % 4 == 0, "P rows are read as float4");
-#pragma unroll 2
-    for (int k = 0; k < kDepth; k += 4) {
-        float4 p4[kI];
-#pragma unroll
-        for (int i = 0; i < kI; ++i) p4[i] = *reinterpret_cast<const float4*>(sP + (ty + i * kThreadRows) * kPPitch + k);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const float* b_row = sB + (k + kk) * kPitch;
-#pragma unroll
-            for (int c = 0; c < Cols::kChunks; ++c) {
-                float b[Cols::kVec];
-                if constexpr (Cols::kVec == 4) {
-                    const float4 v = *reinterpret_cast<const float4*>(b_row + Cols::col(tx, c));
-                    b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
-                } else {
-                    const float2 v = *reinterpret_cast<const float2*>(b_row + Cols::col(tx, c));
-                    b[0] = v.x; b[1] = v.y;
-                }
-#pragma unroll
-                for (int i = 0; i < kI; ++i) {
-                    const float p = kk == 0 ? p4[i].x : kk == 1 ? p4[i].y : kk == 2 ? p4[i].z : p4[i].w;
-#pragma unroll
-                    for (int e = 0; e < Cols::kVec; ++e) {
-                        acc[i][c * Cols::kVec + e] = fmaf(p, b[e], acc[i][c * Cols::kVec + e]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-template <int kI, int kC>
-__device__ __forceinline__ void fill_zero(float (&x)[kI][kC]) {
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-        for (int c = 0; c < kC; ++c) x[i][c] = 0.f;
-}
-
-template <int kI, int kC>
-__device__ __forceinline__ void add_into(float (&acc)[kI][kC], const float (&x)[kI][kC]) {
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-        for (int c = 0; c < kC; ++c) acc[i][c] += x[i][c];
-}
-
-// Reductions over the 16 threads of a tile row (a half-warp: xor offsets < 16 stay inside it).
-__device__ __forceinline__ float row_max16(float x) {
-#pragma unroll
-    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-}
-__device__ __forceinline__ float row_sum16(float x) {
-#pragma unroll
-    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-}
-
-// Writes vals[0, kVec) to dst_row[col, col + kVec), skipping columns >= cols_valid; one vector
-// store when the address is aligned and the chunk lies wholly inside.
-template <int kVec>
-__device__ __forceinline__ void store_chunk(float* dst_row, int col, const float* vals, int cols_valid) {
-    float* dst = dst_row + col;
-    if (col + kVec <= cols_valid && (reinterpret_cast<unsigned long long>(dst) % (4 * kVec)) == 0) {
-        if constexpr (kVec == 4) {
-            *reinterpret_cast<float4*>(dst) = make_float4(vals[0], vals[1], vals[2], vals[3]);
-        } else {
-            *reinterpret_cast<float2*>(dst) = make_float2(vals[0], vals[1]);
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-            if (col + e < cols_valid) dst[e] = vals[e];
-        }
-    }
-}
+// ---------------------------------------------------------------------------------------------
+// Backward pieces: one mainloop for the dK/dV (kKeyRows) and the dQ kernels.
+// ---------------------------------------------------------------------------------------------
 
 // P = exp(s * scale - lse) recomputed in the backward. expf of one fused fma rounds once on a small
 // argument; folding lse into a log2 domain would add a rounding of size eps * |lse * log2(e)|.
@@ -221,51 +226,200 @@ __device__ __forceinline__ float recompute_p(float s, float scale, float lse_or_
 }
 
 __device__ __forceinline__ float lse_for_backward(const float* lse_row, int row, int seqlen_q) {
-    const float lse = row < seqlen_q ? lse_row[row] : infinity();
-    return lse == -infinity() ? infinity() : lse;
+    const float lse = row < seqlen_q ? lse_row[row] : INFINITY;
+    return lse == -INFINITY ? INFINITY : lse;
 }
 
-// Shared-memory layouts; kSmemBytes is mirrored by cuflash/kernels/simt.py.
-template <int kHeadDim, int kBlockM, int kBlockN>
-struct FwdSmem {
-    static constexpr int kPitch = kHeadDim + kPad;
-    static constexpr int kPPitch = kBlockN + kPad;
-    static constexpr int kQ = 0;
-    static constexpr int kK = kQ + kBlockM * kPitch;
-    static constexpr int kV = kK + kBlockN * kPitch;
-    static constexpr int kP = kV + kBlockN * kPitch;
-    static constexpr int kFloats = kP + kBlockM * kPPitch;
-    static constexpr unsigned kSmemBytes = kFloats * sizeof(float);
+// Shared-memory layout, tiles back to back; kSmemBytes is mirrored by cuflash/kernels/simt.py. The
+// resident side has kTileRows rows per tile (K, V of the dK/dV kernel; Q, dO of the dQ kernel), the
+// streamed side kTileCols (Q, dO; K, V). Then the dS tile (kTileRows x kTileCols, pitch kPPitch),
+// preceded in the dK/dV kernel by P^T, which dV needs.
+template <typename Cfg, bool kKeyRows>
+struct BwdSmem {
+    static constexpr int kTileRows = kKeyRows ? Cfg::kBlockN : Cfg::kBlockM;
+    static constexpr int kTileCols = kKeyRows ? Cfg::kBlockM : Cfg::kBlockN;
+    static constexpr int kPPitch = kTileCols + kPad;
+    static constexpr int kScoreTiles = kKeyRows ? 2 : 1;
+    static constexpr unsigned kSmemBytes =
+        (2 * (kTileRows + kTileCols) * Cfg::kPitch + kScoreTiles * kTileRows * kPPitch) * sizeof(float);
+    float* fixed_s;   // resident operand of S = A.B^T (A): K, or Q
+    float* fixed_dp;  // resident operand of dP (A2): V, or dO
+    float* step_s;    // streamed operand of S (B): Q, or K
+    float* step_dp;   // streamed operand of dP (B2): dO, or V
+    float* p;         // P^T (dK/dV kernel only; in the dQ kernel p == ds and is unused)
+    float* ds;
+    __device__ __forceinline__ explicit BwdSmem(float* base)
+        : fixed_s(base), fixed_dp(fixed_s + kTileRows * Cfg::kPitch), step_s(fixed_dp + kTileRows * Cfg::kPitch),
+          step_dp(step_s + kTileCols * Cfg::kPitch), p(step_dp + kTileCols * Cfg::kPitch),
+          ds(p + (kScoreTiles - 1) * kTileRows * kPPitch) {}
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN>
-struct DkDvSmem {
-    static constexpr int kPitch = kHeadDim + kPad;
-    static constexpr int kPPitch = kBlockM + kPad;  // P^T and dS^T tiles: kBlockN rows of kBlockM
-    static constexpr int kK = 0;
-    static constexpr int kV = kK + kBlockN * kPitch;
-    static constexpr int kQ = kV + kBlockN * kPitch;
-    static constexpr int kDO = kQ + kBlockM * kPitch;
-    static constexpr int kPt = kDO + kBlockM * kPitch;
-    static constexpr int kDSt = kPt + kBlockN * kPPitch;
-    static constexpr int kFloats = kDSt + kBlockN * kPPitch;
-    static constexpr unsigned kSmemBytes = kFloats * sizeof(float);
+// Grid block `fixed_block` (a key block with kKeyRows, else a query block) of one (batch, head):
+// walks the blocks of the other side that it meets, ascending, and accumulates acc[0] += dS.B (dK
+// with kKeyRows, else dQ; both unscaled) and, with kKeyRows, acc[1] += P^T.dO (dV).
+template <typename Cfg, bool kKeyRows>
+struct BwdMainloop {
+    using Smem = BwdSmem<Cfg, kKeyRows>;
+    static constexpr int kTileRows = Smem::kTileRows, kTileCols = Smem::kTileCols;
+    static constexpr int kI = kTileRows / kThreadRows;   // tile rows per thread
+    static constexpr int kJ = kTileCols / kLanesPerRow;  // tile columns per thread
+    static constexpr int kQueries = kKeyRows ? kJ : kI;  // query rows per thread
+    static constexpr int kAccs = kKeyRows ? 2 : 1;
+    using Acc = float[kAccs][kI][Cfg::Cols::kPerThread];
+
+    const AttnParams& params;
+    const SeqInfo& seq;
+    const Smem sm;
+    const typename Cfg::Mask mask;
+    const TilePos<kKeyRows> at;
+    const int fixed_block;
+
+    __device__ __forceinline__ BwdMainloop(const AttnParams& params_, const SeqInfo& seq_, int fixed_block_)
+        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()),
+          mask{seq_.seqlen_q, seq_.seqlen_k, params_.causal_offset}, at(this_thread<kKeyRows>()),
+          fixed_block(fixed_block_) {}
+
+    __device__ __forceinline__ void run(Acc& acc) const {
+        const int fixed0 = fixed_block * kTileRows;  // first key (kKeyRows) or query row of the resident side
+        float lse[kQueries], delta[kQueries];
+        if constexpr (!kKeyRows) row_stats(seq, lse, delta, fixed0);
+#pragma unroll
+        for (int a = 0; a < kAccs; ++a) fill_zero(acc[a]);
+        int begin, end;
+        step_range(begin, end);
+        if (begin < end) load_side<!kKeyRows>(seq, sm.fixed_s, sm.fixed_dp, fixed0, false);
+        for (int step = begin; step < end; ++step) {
+            const int start = step * kTileCols;
+            const int row0 = kKeyRows ? start : fixed0, col0 = kKeyRows ? fixed0 : start;
+            // Every thread finished reading the last step's tiles (and its warp's rows of P / dS).
+            __syncthreads();
+            const SeqInfo streamed = streamed_seq();
+            load_side<kKeyRows>(streamed, sm.step_s, sm.step_dp, start, true);
+            if constexpr (kKeyRows) row_stats(streamed, lse, delta, row0);
+            recompute(lse, delta, row0, col0);
+            __syncwarp();  // the rows just written are read back only by this warp
+            if constexpr (kKeyRows) accumulate(acc[1], sm.p, sm.step_dp);  // dV += P^T dO
+            accumulate(acc[0], sm.ds, sm.step_s);                          // dK += dS^T Q, or dQ += dS K
+        }
+    }
+
+  private:
+    // The streamed blocks: query blocks that see this key block, or key blocks this query block sees.
+    __device__ __forceinline__ void step_range(int& begin, int& end) const {
+        if constexpr (kKeyRows) {
+            const typename Cfg::Queries blocks(mask, fixed_block);
+            begin = blocks.m_begin;
+            end = blocks.m_end;
+        } else {
+            const typename Cfg::Keys blocks(mask, fixed_block);
+            begin = blocks.n_begin;
+            end = blocks.n_end;
+        }
+    }
+
+    // The sequence info of the streamed side's loads. The dK/dV kernel rebuilds it every step from an
+    // opaque (b, h): its Q / dO / lse / D pointers are then formed from the constant-bank params where
+    // used instead of being hoisted and held in registers across the loop (hoisted, D = 96 and D = 224
+    // causal spilled on sm_80). The dQ kernel keeps the hoisted one: a rebuilt K / V pointer would redo
+    // the h / h_per_kv division every step.
+    __device__ __forceinline__ SeqInfo streamed_seq() const {
+        if constexpr (kKeyRows) return SeqInfo(params, opaque(seq.b), opaque(seq.h));
+        else return seq;
+    }
+
+    // S's and dP's operands of one side, from query row / key `start`: Q and dO, or K and V. With
+    // two_groups, S's operand is a cp.async group of its own, so it can be waited on alone.
+    template <bool kQuerySide>
+    __device__ __forceinline__ void load_side(const SeqInfo& on, float* for_s, float* for_dp, int start,
+                                              bool two_groups) const {
+        const Loads<Cfg> loads{params, on};
+        if constexpr (kQuerySide) loads.q(for_s, start); else loads.k(for_s, start);
+        if (two_groups) sm80::cp_async_commit();
+        if constexpr (kQuerySide) loads.dout(for_dp, start); else loads.v(for_dp, start);
+        sm80::cp_async_commit();
+    }
+
+    __device__ __forceinline__ void accumulate(float (&acc)[kI][Cfg::Cols::kPerThread], const float* sP,
+                                               const float* sB) const {
+        add_block_product<kTileRows, kTileCols, Smem::kPPitch, Cfg::kHeadDim, Cfg::kPitch>(acc, sP, sB, at.tx, at.ty);
+    }
+
+    // lse (as lse_for_backward) and D = softmax_d of the thread's query rows of the block at row0.
+    __device__ __forceinline__ void row_stats(const SeqInfo& on, float (&lse)[kQueries], float (&delta)[kQueries],
+                                              int row0) const {
+        const float* lse_row = on.lse_in(params);
+        const float* d_row = on.softmax_d(params);
+#pragma unroll
+        for (int n = 0; n < kQueries; ++n) {
+            const int row = kKeyRows ? at.query(row0, 0, n) : at.query(row0, n, 0);
+            lse[n] = lse_for_backward(lse_row, row, on.seqlen_q);
+            delta[n] = row < on.seqlen_q ? d_row[row] : 0.f;
+        }
+    }
+
+    // The tile of query rows [row0, +kBlockM) x keys [col0, +kBlockN): S = A.B^T, the score modifier,
+    // the mask, P = exp(scale S - lse) (0 where hidden); then dP = A2.B2^T and dS = grad(P (dP - D)).
+    // Waits for the step's cp.async groups: B with the first wait, B2 with the second.
+    __device__ __forceinline__ void recompute(const float (&lse)[kQueries], const float (&delta)[kQueries], int row0,
+                                              int col0) const {
+        const typename Cfg::ScoreMod score_mod{};
+        sm80::cp_async_wait<1>();  // the resident tiles and B landed (B2 may be in flight)
+        __syncthreads();
+        float s[kI][kJ], p[kI][kJ];
+        tile_dot_abt<kTileRows, kTileCols, Cfg::kPitch>(s, sm.fixed_s, sm.step_s, round_up4(params.head_dim), at.tx,
+                                                        at.ty);
+        const bool needs_mask = mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN);
+#pragma unroll
+        for (int i = 0; i < kI; ++i) {
+#pragma unroll
+            for (int j = 0; j < kJ; ++j) {
+                const bool visible = !needs_mask || mask.visible(at.query(row0, i, j), at.key(col0, i, j));
+                const float s_mod = score_mod.apply_one(s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+                p[i][j] = visible ? recompute_p(s_mod, params.scale, lse[kKeyRows ? j : i]) : 0.f;
+            }
+        }
+
+        sm80::cp_async_wait<0>();  // B2 landed
+        __syncthreads();
+        float dp[kI][kJ];
+        tile_dot_abt<kTileRows, kTileCols, Cfg::kPitch>(dp, sm.fixed_dp, sm.step_dp, round_up4(params.head_dim_v),
+                                                        at.tx, at.ty);
+#pragma unroll
+        for (int i = 0; i < kI; ++i) {
+#pragma unroll
+            for (int j = 0; j < kJ; ++j) {
+                const float ds_mod = p[i][j] * (dp[i][j] - delta[kKeyRows ? j : i]);
+                const int idx = (at.ty + i * kThreadRows) * Smem::kPPitch + at.tx + j * kLanesPerRow;
+                if constexpr (kKeyRows) sm.p[idx] = p[i][j];
+                sm.ds[idx] = score_mod.grad_one(ds_mod, s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+            }
+        }
+    }
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN>
-struct DqSmem {
-    static constexpr int kPitch = kHeadDim + kPad;
-    static constexpr int kPPitch = kBlockN + kPad;
-    static constexpr int kQ = 0;
-    static constexpr int kDO = kQ + kBlockM * kPitch;
-    static constexpr int kK = kDO + kBlockM * kPitch;
-    static constexpr int kV = kK + kBlockN * kPitch;
-    static constexpr int kDS = kV + kBlockN * kPitch;
-    static constexpr int kFloats = kDS + kBlockM * kPPitch;
-    static constexpr unsigned kSmemBytes = kFloats * sizeof(float);
-};
-
-__device__ __forceinline__ int round_up4(int x) { return (x + 3) & ~3; }
+// dK = scale * sum dS^T Q and dV = sum P^T dO for the thread's keys < Sk. Without GQA straight into
+// dk / dv; with GQA into this query head's fp32 partials (B, H, Sk, kHeadDim) (all kHeadDim columns;
+// those past D / Dv are 0), summed over the group by flash_bwd_reduce_dkdv_simt_kernel.
+template <typename Cfg, int kRows, int kC>
+__device__ __forceinline__ void store_dkdv(const AttnParams& params, const SeqInfo& seq,
+                                           const float (&acc_dk)[kRows][kC], const float (&acc_dv)[kRows][kC],
+                                           int col0, TilePos<true> at) {
+    constexpr int kHeadDim = Cfg::kHeadDim;
+    const bool to_partials = params.dk_accum != nullptr;
+    const float scale = params.scale;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        const int key = at.key(col0, i, 0);
+        if (key >= seq.seqlen_k) continue;
+        const long long partial = static_cast<long long>(key) * kHeadDim;
+        float* dk_row = to_partials ? seq.dk_accum(params, kHeadDim) + partial : seq.dk<float>(params, key);
+        float* dv_row = to_partials ? seq.dv_accum(params, kHeadDim) + partial : seq.dv<float>(params, key);
+        store_row<kHeadDim>(dk_row, acc_dk[i], to_partials ? kHeadDim : params.head_dim, at.tx,
+                            [&](float x) { return scale * x; });
+        store_row<kHeadDim>(dv_row, acc_dv[i], to_partials ? kHeadDim : params.head_dim_v, at.tx,
+                            [](float x) { return x; });
+    }
+}
 
 }  // namespace simt
 
@@ -275,133 +429,58 @@ __device__ __forceinline__ int round_up4(int x) { return (x + 3) & ~3; }
 template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
 __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_fwd_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Smem = FwdSmem<kHeadDim, kBlockM, kBlockN>;
-    using Cols = OutCols<kHeadDim>;
-    constexpr int kRows = kBlockM / kThreadRows;     // query rows per thread
-    constexpr int kCols = kBlockN / kLanesPerRow;    // keys per thread per block
-    static_assert(kBlockM % kThreadRows == 0 && kBlockN % kLanesPerRow == 0, "tiles are 16 x 16 thread grids");
-
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
-    float* sQ = smem + Smem::kQ;
-    float* sK = smem + Smem::kK;
-    float* sV = smem + Smem::kV;
-    float* sP = smem + Smem::kP;
+    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kIsCausal>;
+    using Smem = FwdSmem<Cfg>;
+    constexpr int kRows = kBlockM / kThreadRows;   // query rows per thread
+    constexpr int kCols = kBlockN / kLanesPerRow;  // keys per thread per block
+    CUFLASH_CHECK_SMEM_BYTES(Smem::kSmemBytes);
+    const Smem sm(shared_floats<Smem::kSmemBytes>());
 
     // Causal: the last query blocks see the most keys; start them first.
     const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int h_kv = h / params.h_per_kv;
-    const int tx = threadIdx.x % kLanesPerRow, ty = threadIdx.x / kLanesPerRow;
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const Loads<Cfg> loads{params, seq};
+    const TilePos<false> at = this_thread<false>();
     const int row0 = m_block * kBlockM;
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    const AttnMask<kIsCausal> mask{seqlen_q, seqlen_k, params.causal_offset};
-
-    const float* q_tile = static_cast<const float*>(params.q) + b * params.q_batch_stride +
-                          row0 * params.q_row_stride + h * params.q_head_stride;
-    const float* k_head = static_cast<const float*>(params.k) + b * params.k_batch_stride + h_kv * params.k_head_stride;
-    const float* v_head = static_cast<const float*>(params.v) + b * params.v_batch_stride + h_kv * params.v_head_stride;
+    const typename Cfg::Mask mask{seq.seqlen_q, seq.seqlen_k, params.causal_offset};
+    const typename Cfg::Keys blocks(mask, m_block);
     const int depth_qk = round_up4(params.head_dim);
 
-    float acc_o[kRows][Cols::kPerThread];
-    float m_i[kRows];  // running row max of the raw scores (-inf while the row has seen nothing)
-    float l_i[kRows];  // this thread's share of the running row sum, relative to m_i
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        m_i[i] = -infinity();
-        l_i[i] = 0.f;
-#pragma unroll
-        for (int c = 0; c < Cols::kPerThread; ++c) acc_o[i][c] = 0.f;
-    }
-
-    int n_begin, n_end;
-    mask.template key_block_range<kBlockM, kBlockN>(m_block, n_begin, n_end);
-    if (n_begin < n_end) {
-        load_tile<kBlockM, kHeadDim, Smem::kPitch>(sQ, q_tile, params.q_row_stride, seqlen_q - row0, params.head_dim);
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(sK, k_head + (long long)n_begin * kBlockN * params.k_row_stride,
-                                                   params.k_row_stride, seqlen_k - n_begin * kBlockN, params.head_dim);
+    float acc_o[kRows][Cfg::Cols::kPerThread];
+    fill_zero(acc_o);
+    RowSoftmax<kRows> softmax;
+    if (!blocks.empty()) {
+        loads.q(sm.q, row0);
+        loads.k(sm.k, blocks.n_begin * kBlockN);
         sm80::cp_async_commit();
     }
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+    for (int n_block = blocks.n_begin; n_block < blocks.n_end; ++n_block) {
         const int col0 = n_block * kBlockN;
         // K(n) (and Q) landed; every thread finished P.V of the previous block, so sV is free.
         sm80::cp_async_wait<0>();
         __syncthreads();
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(sV, v_head + (long long)col0 * params.v_row_stride,
-                                                   params.v_row_stride, seqlen_k - col0, params.head_dim_v);
+        loads.v(sm.v, col0);
         sm80::cp_async_commit();
 
         float s[kRows][kCols];
-        tile_dot_abt<kBlockM, kBlockN, Smem::kPitch>(s, sQ, sK, depth_qk, tx, ty);
-        if (mask.needs_mask(row0, kBlockM, col0, kBlockN)) {
-#pragma unroll
-            for (int i = 0; i < kRows; ++i)
-#pragma unroll
-                for (int j = 0; j < kCols; ++j)
-                    if (!mask.visible(row0 + ty + i * kThreadRows, col0 + tx + j * kLanesPerRow)) s[i][j] = -infinity();
-        }
-
-        float row_correction[kRows];
-        // Online softmax. Exponents are taken relative to m_scaled = m * scale_log2 (0 while the row
-        // is still empty, so exp2(-inf - 0) = 0 and no -inf - -inf appears).
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-            float m_new = m_i[i];
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) m_new = fmaxf(m_new, s[i][j]);
-            m_new = row_max16(m_new);
-            const float m_scaled_new = m_new == -infinity() ? 0.f : m_new * params.scale_log2;
-            const float m_scaled_old = m_i[i] == -infinity() ? 0.f : m_i[i] * params.scale_log2;
-            // Nothing accumulated yet when m_i is -inf: the factor multiplies zeros, keep it finite.
-            const float correction = m_i[i] == -infinity() ? 0.f : exp2f(m_scaled_old - m_scaled_new);
-            m_i[i] = m_new;
-            float row_sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                const float p = exp2f(fmaf(s[i][j], params.scale_log2, -m_scaled_new));
-                row_sum += p;
-                sP[(ty + i * kThreadRows) * Smem::kPPitch + tx + j * kLanesPerRow] = p;
-            }
-            l_i[i] = fmaf(l_i[i], correction, row_sum);
-            row_correction[i] = correction;
-        }
+        tile_dot_abt<kBlockM, kBlockN, Cfg::kPitch>(s, sm.q, sm.k, depth_qk, at.tx, at.ty);
+        modify_and_mask<Cfg>(s, mask, at, row0, col0);
+        float correction[kRows];
+        softmax.template step<Smem::kPPitch>(s, correction, sm.p, params.scale_log2, at);
 
         // V(n) landed and P is visible; every thread finished reading K(n), so sK is free.
         sm80::cp_async_wait<0>();
         __syncthreads();
-        if (n_block + 1 < n_end) {
-            load_tile<kBlockN, kHeadDim, Smem::kPitch>(sK, k_head + (long long)(col0 + kBlockN) * params.k_row_stride,
-                                                       params.k_row_stride, seqlen_k - col0 - kBlockN, params.head_dim);
+        if (n_block + 1 < blocks.n_end) {
+            loads.k(sm.k, col0 + kBlockN);
             sm80::cp_async_commit();
         }
-        float acc_block[kRows][Cols::kPerThread];
+        float acc_block[kRows][Cfg::Cols::kPerThread];
         fill_zero(acc_block);
-        tile_acc_pb<kBlockM, kBlockN, Smem::kPPitch, kHeadDim, Smem::kPitch>(acc_block, sP, sV, tx, ty);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-#pragma unroll
-            for (int c = 0; c < Cols::kPerThread; ++c) acc_o[i][c] = fmaf(acc_o[i][c], row_correction[i], acc_block[i][c]);
+        tile_acc_pb<kBlockM, kBlockN, Smem::kPPitch, kHeadDim, Cfg::kPitch>(acc_block, sm.p, sm.v, at.tx, at.ty);
+        rescale_add_into(acc_o, correction, acc_block);
     }
-
-    // Epilogue: O = acc_o / l, lse = m * scale + log(l); a row that saw nothing gets 0 and -inf.
-    float* lse_row = params.lse + b * params.lse_batch_stride + h * params.lse_head_stride;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const float l = row_sum16(l_i[i]);
-        const int row = row0 + ty + i * kThreadRows;
-        if (row >= seqlen_q) continue;
-        const bool empty = !(l > 0.f);
-        float* o_row = static_cast<float*>(params.o) + b * params.o_batch_stride + row * params.o_row_stride +
-                       h * params.o_head_stride;
-#pragma unroll
-        for (int c = 0; c < Cols::kChunks; ++c) {
-            float vals[Cols::kVec];
-#pragma unroll
-            for (int e = 0; e < Cols::kVec; ++e) vals[e] = empty ? 0.f : acc_o[i][c * Cols::kVec + e] / l;
-            store_chunk<Cols::kVec>(o_row, Cols::col(tx, c), vals, params.head_dim_v);
-        }
-        if (tx == 0) lse_row[row] = empty ? -infinity() : m_i[i] * params.scale + logf(l);
-    }
+    store_forward<Cfg>(params, seq, softmax, acc_o, row0, at);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -411,16 +490,13 @@ template <int kHeadDim>
 __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_bwd_preprocess_simt_kernel(const AttnParams params) {
     using namespace simt;
     constexpr int kWarps = kThreads / 32;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int seqlen_q = params.seqlen_q;
     for (int r = warp; r < kPrepRows; r += kWarps) {
         const int row = blockIdx.x * kPrepRows + r;
-        if (row >= seqlen_q) break;  // uniform across the warp
-        const float* o_row = static_cast<const float*>(params.o) + b * params.o_batch_stride +
-                             row * params.o_row_stride + h * params.o_head_stride;
-        const float* do_row = static_cast<const float*>(params.dout) + b * params.do_batch_stride +
-                              row * params.do_row_stride + h * params.do_head_stride;
+        if (row >= seq.seqlen_q) break;  // uniform across the warp
+        const float* o_row = seq.o<const float>(params, row);
+        const float* do_row = seq.dout<float>(params, row);
         float acc = 0.f;
 #pragma unroll
         for (int c = 0; c < kHeadDim / 32; ++c) {
@@ -430,10 +506,8 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
         if (lane == 0) {
-            const float dlse = params.dlse == nullptr
-                                   ? 0.f
-                                   : params.dlse[b * params.dlse_batch_stride + h * params.dlse_head_stride + row];
-            params.softmax_d[((long long)b * params.num_heads + h) * seqlen_q + row] = acc - dlse;
+            const float dlse = params.dlse == nullptr ? 0.f : *seq.dlse(params, row);
+            *seq.softmax_d(params, row) = acc - dlse;
         }
     }
 }
@@ -441,157 +515,21 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 // ---------------------------------------------------------------------------------------------
 // Backward dK/dV: one block per (key block, QUERY head). K_j, V_j stay in smem; for each query block
 // that sees them: S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D),
-// dV += P^T dO, dK += dS^T Q. Scores are held transposed (thread rows = keys) so the rows of P^T /
-// dS^T a warp writes are exactly the dK / dV rows it accumulates.
+// dV += P^T dO, dK += dS^T Q (simt::BwdMainloop with kKeyRows).
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
 __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_bwd_dkdv_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Smem = DkDvSmem<kHeadDim, kBlockM, kBlockN>;
-    using Cols = OutCols<kHeadDim>;
-    constexpr int kRows = kBlockN / kThreadRows;   // keys per thread
-    constexpr int kCols = kBlockM / kLanesPerRow;  // queries per thread per block
-    static_assert(kBlockM % kLanesPerRow == 0 && kBlockN % kThreadRows == 0, "tiles are 16 x 16 thread grids");
-
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
-    float* sK = smem + Smem::kK;
-    float* sV = smem + Smem::kV;
-    float* sQ = smem + Smem::kQ;
-    float* sdO = smem + Smem::kDO;
-    float* sPt = smem + Smem::kPt;
-    float* sdSt = smem + Smem::kDSt;
+    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kIsCausal>;
+    using Mainloop = BwdMainloop<Cfg, true>;
+    CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
     const int n_block = blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int h_kv = h / params.h_per_kv;
-    const int tx = threadIdx.x % kLanesPerRow, ty = threadIdx.x / kLanesPerRow;
-    const int col0 = n_block * kBlockN;
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    const AttnMask<kIsCausal> mask{seqlen_q, seqlen_k, params.causal_offset};
-    const float scale = params.scale;
-
-    const float* q_head = static_cast<const float*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
-    const float* do_head = static_cast<const float*>(params.dout) + b * params.do_batch_stride + h * params.do_head_stride;
-    const float* lse_row = params.lse + b * params.lse_batch_stride + h * params.lse_head_stride;
-    const float* d_row = params.softmax_d + ((long long)b * params.num_heads + h) * seqlen_q;
-    const int depth_qk = round_up4(params.head_dim);
-    const int depth_v = round_up4(params.head_dim_v);
-
-    float acc_dk[kRows][Cols::kPerThread];
-    float acc_dv[kRows][Cols::kPerThread];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-        for (int c = 0; c < Cols::kPerThread; ++c) acc_dk[i][c] = acc_dv[i][c] = 0.f;
-
-    int m_begin, m_end;
-    mask.template query_block_range<kBlockM, kBlockN>(n_block, m_begin, m_end);
-    if (m_begin < m_end) {
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(
-            sK,
-            static_cast<const float*>(params.k) + b * params.k_batch_stride + (long long)col0 * params.k_row_stride +
-                h_kv * params.k_head_stride,
-            params.k_row_stride, seqlen_k - col0, params.head_dim);
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(
-            sV,
-            static_cast<const float*>(params.v) + b * params.v_batch_stride + (long long)col0 * params.v_row_stride +
-                h_kv * params.v_head_stride,
-            params.v_row_stride, seqlen_k - col0, params.head_dim_v);
-        sm80::cp_async_commit();
-    }
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int row0 = m_block * kBlockM;
-        // Every thread finished reading sQ / sdO (and its warp's sPt / sdSt rows) of the last block.
-        __syncthreads();
-        load_tile<kBlockM, kHeadDim, Smem::kPitch>(sQ, q_head + (long long)row0 * params.q_row_stride,
-                                                   params.q_row_stride, seqlen_q - row0, params.head_dim);
-        sm80::cp_async_commit();
-        load_tile<kBlockM, kHeadDim, Smem::kPitch>(sdO, do_head + (long long)row0 * params.do_row_stride,
-                                                   params.do_row_stride, seqlen_q - row0, params.head_dim_v);
-        sm80::cp_async_commit();
-        float lse[kCols], delta[kCols];
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) {
-            const int row = row0 + tx + j * kLanesPerRow;
-            lse[j] = lse_for_backward(lse_row, row, seqlen_q);
-            delta[j] = row < seqlen_q ? d_row[row] : 0.f;
-        }
-
-        sm80::cp_async_wait<1>();  // K, V and Q landed (dO may be in flight)
-        __syncthreads();
-        float p[kRows][kCols];
-        tile_dot_abt<kBlockN, kBlockM, Smem::kPitch>(p, sK, sQ, depth_qk, tx, ty);
-        const bool needs_mask = mask.needs_mask(row0, kBlockM, col0, kBlockN);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                const bool visible =
-                    !needs_mask || mask.visible(row0 + tx + j * kLanesPerRow, col0 + ty + i * kThreadRows);
-                p[i][j] = visible ? recompute_p(p[i][j], scale, lse[j]) : 0.f;
-            }
-        }
-
-        sm80::cp_async_wait<0>();  // dO landed
-        __syncthreads();
-        float dp[kRows][kCols];
-        tile_dot_abt<kBlockN, kBlockM, Smem::kPitch>(dp, sV, sdO, depth_v, tx, ty);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                const int idx = (ty + i * kThreadRows) * Smem::kPPitch + tx + j * kLanesPerRow;
-                sPt[idx] = p[i][j];
-                sdSt[idx] = p[i][j] * (dp[i][j] - delta[j]);
-            }
-        }
-        __syncwarp();  // the rows just written are read back only by this warp
-        float acc_block[kRows][Cols::kPerThread];
-        fill_zero(acc_block);
-        tile_acc_pb<kBlockN, kBlockM, Smem::kPPitch, kHeadDim, Smem::kPitch>(acc_block, sPt, sdO, tx, ty);
-        add_into(acc_dv, acc_block);
-        fill_zero(acc_block);
-        tile_acc_pb<kBlockN, kBlockM, Smem::kPPitch, kHeadDim, Smem::kPitch>(acc_block, sdSt, sQ, tx, ty);
-        add_into(acc_dk, acc_block);
-    }
-
-    // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO. Without GQA straight into dk / dv;
-    // with GQA into this query head's fp32 partial (all kHeadDim columns; those past D / Dv are 0),
-    // summed over the group by flash_bwd_reduce_dkdv_simt_kernel.
-    const bool to_partials = params.dk_accum != nullptr;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const int key = col0 + ty + i * kThreadRows;
-        if (key >= seqlen_k) continue;
-        float* dk_row;
-        float* dv_row;
-        int dk_cols, dv_cols;
-        if (to_partials) {
-            const long long offset = (((long long)b * params.num_heads + h) * seqlen_k + key) * kHeadDim;
-            dk_row = params.dk_accum + offset;
-            dv_row = params.dv_accum + offset;
-            dk_cols = dv_cols = kHeadDim;
-        } else {
-            dk_row = static_cast<float*>(params.dk) + b * params.dk_batch_stride + key * params.dk_row_stride +
-                     h_kv * params.dk_head_stride;
-            dv_row = static_cast<float*>(params.dv) + b * params.dv_batch_stride + key * params.dv_row_stride +
-                     h_kv * params.dv_head_stride;
-            dk_cols = params.head_dim;
-            dv_cols = params.head_dim_v;
-        }
-#pragma unroll
-        for (int c = 0; c < Cols::kChunks; ++c) {
-            float dk_vals[Cols::kVec], dv_vals[Cols::kVec];
-#pragma unroll
-            for (int e = 0; e < Cols::kVec; ++e) {
-                dk_vals[e] = scale * acc_dk[i][c * Cols::kVec + e];
-                dv_vals[e] = acc_dv[i][c * Cols::kVec + e];
-            }
-            store_chunk<Cols::kVec>(dk_row, Cols::col(tx, c), dk_vals, dk_cols);
-            store_chunk<Cols::kVec>(dv_row, Cols::col(tx, c), dv_vals, dv_cols);
-        }
-    }
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    typename Mainloop::Acc acc;  // dK (unscaled), dV
+    const Mainloop mainloop(params, seq, n_block);
+    mainloop.run(acc);
+    store_dkdv<Cfg>(params, seq, acc[0], acc[1], n_block * kBlockN, mainloop.at);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -603,151 +541,52 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
     using namespace simt;
     constexpr int kChunksPerRow = kHeadDim / 4;
     const int h_kv = blockIdx.y, b = blockIdx.z;
-    const int seqlen_k = params.seqlen_k;
+    const SeqInfo group(params, b, h_kv * params.h_per_kv);  // the group's first query head: kv head h_kv
     for (int chunk = threadIdx.x; chunk < kReduceRows * kChunksPerRow; chunk += kThreads) {
         const int key = blockIdx.x * kReduceRows + chunk / kChunksPerRow;
         const int col = (chunk % kChunksPerRow) * 4;
-        if (key >= seqlen_k) continue;
+        if (key >= group.seqlen_k) continue;
+        const long long offset = static_cast<long long>(key) * kHeadDim + col;
         float dk_sum[4] = {0.f, 0.f, 0.f, 0.f};
         float dv_sum[4] = {0.f, 0.f, 0.f, 0.f};
         for (int g = 0; g < params.h_per_kv; ++g) {
-            const int h = h_kv * params.h_per_kv + g;
-            const long long offset = (((long long)b * params.num_heads + h) * seqlen_k + key) * kHeadDim + col;
+            const SeqInfo seq(params, b, h_kv * params.h_per_kv + g);
             // Partials are contiguous with 16-byte rows (kHeadDim % 4 == 0): aligned float4 reads.
-            const float4 dk4 = *reinterpret_cast<const float4*>(params.dk_accum + offset);
-            const float4 dv4 = *reinterpret_cast<const float4*>(params.dv_accum + offset);
+            const float4 dk4 = *reinterpret_cast<const float4*>(seq.dk_accum(params, kHeadDim) + offset);
+            const float4 dv4 = *reinterpret_cast<const float4*>(seq.dv_accum(params, kHeadDim) + offset);
             dk_sum[0] += dk4.x; dk_sum[1] += dk4.y; dk_sum[2] += dk4.z; dk_sum[3] += dk4.w;
             dv_sum[0] += dv4.x; dv_sum[1] += dv4.y; dv_sum[2] += dv4.z; dv_sum[3] += dv4.w;
         }
-        float* dk_row = static_cast<float*>(params.dk) + b * params.dk_batch_stride + key * params.dk_row_stride +
-                        h_kv * params.dk_head_stride;
-        float* dv_row = static_cast<float*>(params.dv) + b * params.dv_batch_stride + key * params.dv_row_stride +
-                        h_kv * params.dv_head_stride;
-        store_chunk<4>(dk_row, col, dk_sum, params.head_dim);
-        store_chunk<4>(dv_row, col, dv_sum, params.head_dim_v);
+        store_chunk<4>(group.dk<float>(params, key), col, dk_sum, params.head_dim);
+        store_chunk<4>(group.dv<float>(params, key), col, dv_sum, params.head_dim_v);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward dQ: one block per (query block, query head). Q_i, dO_i stay in smem; for each visible key
-// block: S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - D), dQ += dS K. Each block owns
-// its dQ rows outright, so there are no atomics; dq = scale * dQ.
+// block: S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - D), dQ += dS K
+// (simt::BwdMainloop). Each block owns its dQ rows outright, so there are no atomics; dq = scale * dQ.
 // ---------------------------------------------------------------------------------------------
 template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
 __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_bwd_dq_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Smem = DqSmem<kHeadDim, kBlockM, kBlockN>;
-    using Cols = OutCols<kHeadDim>;
-    constexpr int kRows = kBlockM / kThreadRows;   // query rows per thread
-    constexpr int kCols = kBlockN / kLanesPerRow;  // keys per thread per block
-    static_assert(kBlockM % kThreadRows == 0 && kBlockN % kLanesPerRow == 0, "tiles are 16 x 16 thread grids");
-
-    if (sm80::dynamic_smem_bytes() < Smem::kSmemBytes) __trap();
-    float* smem = shared_floats();
-    float* sQ = smem + Smem::kQ;
-    float* sdO = smem + Smem::kDO;
-    float* sK = smem + Smem::kK;
-    float* sV = smem + Smem::kV;
-    float* sdS = smem + Smem::kDS;
+    using Mainloop = BwdMainloop<Config<kHeadDim, kBlockM, kBlockN, kIsCausal>, false>;
+    CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
     const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int h_kv = h / params.h_per_kv;
-    const int tx = threadIdx.x % kLanesPerRow, ty = threadIdx.x / kLanesPerRow;
-    const int row0 = m_block * kBlockM;
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    const AttnMask<kIsCausal> mask{seqlen_q, seqlen_k, params.causal_offset};
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    typename Mainloop::Acc acc;  // dQ (unscaled)
+    const Mainloop mainloop(params, seq, m_block);
+    mainloop.run(acc);
+
+    // dq = scale * dQ for rows < Sq, columns < D (rows that see no key get 0).
     const float scale = params.scale;
-
-    const float* k_head = static_cast<const float*>(params.k) + b * params.k_batch_stride + h_kv * params.k_head_stride;
-    const float* v_head = static_cast<const float*>(params.v) + b * params.v_batch_stride + h_kv * params.v_head_stride;
-    const float* lse_row = params.lse + b * params.lse_batch_stride + h * params.lse_head_stride;
-    const float* d_row = params.softmax_d + ((long long)b * params.num_heads + h) * seqlen_q;
-    const int depth_qk = round_up4(params.head_dim);
-    const int depth_v = round_up4(params.head_dim_v);
-
-    float lse[kRows], delta[kRows];
-    float acc_dq[kRows][Cols::kPerThread];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const int row = row0 + ty + i * kThreadRows;
-        lse[i] = lse_for_backward(lse_row, row, seqlen_q);
-        delta[i] = row < seqlen_q ? d_row[row] : 0.f;
-#pragma unroll
-        for (int c = 0; c < Cols::kPerThread; ++c) acc_dq[i][c] = 0.f;
-    }
-
-    int n_begin, n_end;
-    mask.template key_block_range<kBlockM, kBlockN>(m_block, n_begin, n_end);
-    if (n_begin < n_end) {
-        load_tile<kBlockM, kHeadDim, Smem::kPitch>(
-            sQ,
-            static_cast<const float*>(params.q) + b * params.q_batch_stride + (long long)row0 * params.q_row_stride +
-                h * params.q_head_stride,
-            params.q_row_stride, seqlen_q - row0, params.head_dim);
-        load_tile<kBlockM, kHeadDim, Smem::kPitch>(
-            sdO,
-            static_cast<const float*>(params.dout) + b * params.do_batch_stride + (long long)row0 * params.do_row_stride +
-                h * params.do_head_stride,
-            params.do_row_stride, seqlen_q - row0, params.head_dim_v);
-        sm80::cp_async_commit();
-    }
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int col0 = n_block * kBlockN;
-        // Every thread finished reading sK / sV (and its warp's sdS rows) of the last block.
-        __syncthreads();
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(sK, k_head + (long long)col0 * params.k_row_stride,
-                                                   params.k_row_stride, seqlen_k - col0, params.head_dim);
-        sm80::cp_async_commit();
-        load_tile<kBlockN, kHeadDim, Smem::kPitch>(sV, v_head + (long long)col0 * params.v_row_stride,
-                                                   params.v_row_stride, seqlen_k - col0, params.head_dim_v);
-        sm80::cp_async_commit();
-
-        sm80::cp_async_wait<1>();  // Q, dO and K landed (V may be in flight)
-        __syncthreads();
-        float p[kRows][kCols];
-        tile_dot_abt<kBlockM, kBlockN, Smem::kPitch>(p, sQ, sK, depth_qk, tx, ty);
-        const bool needs_mask = mask.needs_mask(row0, kBlockM, col0, kBlockN);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                const bool visible =
-                    !needs_mask || mask.visible(row0 + ty + i * kThreadRows, col0 + tx + j * kLanesPerRow);
-                p[i][j] = visible ? recompute_p(p[i][j], scale, lse[i]) : 0.f;
-            }
-        }
-
-        sm80::cp_async_wait<0>();  // V landed
-        __syncthreads();
-        float dp[kRows][kCols];
-        tile_dot_abt<kBlockM, kBlockN, Smem::kPitch>(dp, sdO, sV, depth_v, tx, ty);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-#pragma unroll
-            for (int j = 0; j < kCols; ++j)
-                sdS[(ty + i * kThreadRows) * Smem::kPPitch + tx + j * kLanesPerRow] = p[i][j] * (dp[i][j] - delta[i]);
-        __syncwarp();  // the rows just written are read back only by this warp
-        float acc_block[kRows][Cols::kPerThread];
-        fill_zero(acc_block);
-        tile_acc_pb<kBlockM, kBlockN, Smem::kPPitch, kHeadDim, Smem::kPitch>(acc_block, sdS, sK, tx, ty);
-        add_into(acc_dq, acc_block);
-    }
-
-    // Epilogue: dq = scale * dQ for rows < Sq, columns < D (rows that see no key get 0).
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const int row = row0 + ty + i * kThreadRows;
-        if (row >= seqlen_q) continue;
-        float* dq_row = static_cast<float*>(params.dq) + b * params.dq_batch_stride + row * params.dq_row_stride +
-                        h * params.dq_head_stride;
-#pragma unroll
-        for (int c = 0; c < Cols::kChunks; ++c) {
-            float vals[Cols::kVec];
-#pragma unroll
-            for (int e = 0; e < Cols::kVec; ++e) vals[e] = scale * acc_dq[i][c * Cols::kVec + e];
-            store_chunk<Cols::kVec>(dq_row, Cols::col(tx, c), vals, params.head_dim);
-        }
+    for (int i = 0; i < Mainloop::kI; ++i) {
+        const int row = mainloop.at.query(m_block * kBlockM, i, 0);
+        if (row >= seq.seqlen_q) continue;
+        store_row<kHeadDim>(seq.dq<float>(params, row), acc[0][i], params.head_dim, mainloop.at.tx,
+                            [&](float x) { return scale * x; });
     }
 }
 

@@ -17,15 +17,6 @@
 
 namespace cuflash {
 
-// Returns x unchanged, but the compiler can no longer see where it came from, so nothing derived from
-// it is hoisted out of the loop that calls this. The backward's accumulators fill ~192 of 255 registers
-// at head dim 128: per-lane addresses and pointers are rebuilt each iteration from opaque indices
-// (one XOR and an immediate per ldmatrix, a few IMADs per load) instead of being kept live and spilled.
-__device__ __forceinline__ int opaque(int x) {
-    asm volatile("" : "+r"(x));
-    return x;
-}
-
 // lse (natural log) -> the log2-domain offset subtracted inside exp2. A row that sees no key has
 // lse = -inf; +inf makes all its P exactly 0 (masked scores give -inf - inf = -inf: still 0).
 __device__ __forceinline__ float lse_log2_offset(float lse) {

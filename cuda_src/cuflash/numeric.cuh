@@ -1,5 +1,5 @@
 // Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2, ceil_div; and
-// conditional_t, the trait that picks a kernel's mainloop per arch.
+// opaque (an index the compiler cannot hoist from) and conditional_t (a kernel's mainloop per arch).
 // NVRTC has no <math.h>, hence no INFINITY macro of its own; this is the only definition.
 #pragma once
 
@@ -19,6 +19,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// Returns x unchanged, but the compiler can no longer see where it came from, so nothing derived from
+// it is hoisted out of the loop that calls this. The backward's accumulators fill ~192 of 255 registers
+// at head dim 128 (and the SIMT kernels run at a 128-register cap): per-lane addresses and pointers are
+// rebuilt each iteration from opaque indices (one XOR and an immediate per ldmatrix, a few IMADs per
+// load) instead of being kept live and spilled.
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
 }
 
 // The mainloop of each arch, by a trait (NVRTC has no <type_traits>).

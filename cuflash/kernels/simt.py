@@ -102,7 +102,7 @@ def dq_tiles(head_dim: int) -> tuple:
     return 16, 16
 
 
-# --- shared memory (bytes), mirroring FwdSmem / DkDvSmem / DqSmem in flash_simt.cu -------------
+# --- shared memory (bytes), mirroring FwdSmem and BwdSmem (dK/dV, dQ) in flash_simt.cu ---------
 
 def forward_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
     """Q (block_m rows), K and V (block_n rows each) at pitch D+4, P (block_m x block_n+4)."""
