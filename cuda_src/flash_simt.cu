@@ -150,8 +150,11 @@ __device__ __forceinline__ void modify_and_mask(float (&s)[kI][kJ], const typena
     }
 }
 
-// The forward's online softmax for a thread's rows: the running row max m of the raw scores (-inf
-// while the row has seen nothing) and the thread's share l of the running row sum, relative to m.
+// The forward's online softmax for a thread's rows, in the scaled log2 domain t = s * scale_log2
+// (-inf where the mask hid s): the running row max m of t (-inf while the row has seen nothing) and the
+// thread's share l of the running row sum, relative to m. Scaling before the max keeps any sign of scale
+// right (a max over raw scores is the min of the scaled ones when scale < 0), and a hidden score stays
+// -inf for scale = 0 instead of becoming 0 * -inf = NaN.
 template <int kRows>
 struct RowSoftmax {
     float m[kRows];
@@ -165,10 +168,13 @@ struct RowSoftmax {
         }
     }
 
+    static __device__ __forceinline__ float scaled(float s, float scale_log2) {
+        return s == -INFINITY ? -INFINITY : s * scale_log2;
+    }
+
     // Takes in one key block's scores: writes P to the thread's elements of sP (pitch kPPitch) and sets
     // correction[i], the factor row i's earlier output must be scaled by. Exponents are taken relative
-    // to m_scaled = m * scale_log2 (0 while the row is still empty, so exp2(-inf - 0) = 0 and no
-    // -inf - -inf appears).
+    // to m (0 while the row is still empty, so exp2(-inf - 0) = 0 and no -inf - -inf appears).
     template <int kPPitch, int kCols>
     __device__ __forceinline__ void step(const float (&s)[kRows][kCols], float (&correction)[kRows], float* sP,
                                          float scale_log2, TilePos<false> at) {
@@ -176,17 +182,17 @@ struct RowSoftmax {
         for (int i = 0; i < kRows; ++i) {
             float m_new = m[i];
 #pragma unroll
-            for (int j = 0; j < kCols; ++j) m_new = fmaxf(m_new, s[i][j]);
+            for (int j = 0; j < kCols; ++j) m_new = fmaxf(m_new, scaled(s[i][j], scale_log2));
             m_new = row_max16(m_new);
-            const float m_scaled_new = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-            const float m_scaled_old = m[i] == -INFINITY ? 0.f : m[i] * scale_log2;
+            const float base = m_new == -INFINITY ? 0.f : m_new;
             // Nothing accumulated yet when m is -inf: the factor multiplies zeros, keep it finite.
-            correction[i] = m[i] == -INFINITY ? 0.f : exp2f(m_scaled_old - m_scaled_new);
+            correction[i] = m[i] == -INFINITY ? 0.f : exp2f(m[i] - base);
             m[i] = m_new;
             float row_sum = 0.f;
 #pragma unroll
             for (int j = 0; j < kCols; ++j) {
-                const float p = exp2f(fmaf(s[i][j], scale_log2, -m_scaled_new));
+                // One rounding (fma) inside the exponent; a hidden score gives exactly 0 for any scale.
+                const float p = s[i][j] == -INFINITY ? 0.f : exp2f(fmaf(s[i][j], scale_log2, -base));
                 row_sum += p;
                 sP[(at.ty + i * kThreadRows) * kPPitch + at.tx + j * kLanesPerRow] = p;
             }
@@ -195,7 +201,7 @@ struct RowSoftmax {
     }
 };
 
-// O = acc_o / l and lse = m * scale + log(l) for the thread's rows < Sq; a row that saw nothing gets
+// O = acc_o / l and lse = m * ln(2) + log(l) for the thread's rows < Sq; a row that saw nothing gets
 // 0 and -inf.
 template <typename Cfg, int kRows, int kC>
 __device__ __forceinline__ void store_forward(const AttnParams& params, const SeqInfo& seq,
@@ -210,7 +216,8 @@ __device__ __forceinline__ void store_forward(const AttnParams& params, const Se
         store_row<Cfg::kHeadDim>(seq.o<float>(params, row), acc_o[i], params.head_dim_v, at.tx,
                                  [&](float x) { return empty ? 0.f : x / l; });
         float* lse = seq.lse(params, row);
-        if (at.tx == 0 && lse != nullptr) *lse = empty ? -INFINITY : softmax.m[i] * params.scale + logf(l);
+        // m is in the log2 domain: lse = m * ln(2) + log(l).
+        if (at.tx == 0 && lse != nullptr) *lse = empty ? -INFINITY : fmaf(softmax.m[i], kLn2, logf(l));
     }
 }
 

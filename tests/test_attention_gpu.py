@@ -262,7 +262,10 @@ def test_strided_output_buffers(dtype):
 SCALE_PROBLEMS = tuple(
     Problem(dtype, B=1, Sq=129, Sk=257, H=4, Hkv=2, D=64, causal=causal, scale=scale)
     for dtype in DTYPES
-    for scale, causal in ((0.05, False), (0.5, True), (1.0 if dtype == "fp32" else 2.0, False))
+    for scale, causal in ((0.05, False), (0.5, True), (1.0 if dtype == "fp32" else 2.0, False),
+                          # a zero or negative scale with masked scores (0 * -inf must not reach the
+                          # softmax; a max over raw scores is the wrong one when scale < 0)
+                          (0.0, True), (-0.3, True), (-0.3, False))
 )
 
 

@@ -1,7 +1,8 @@
 // P recomputation and dS, for every tensor-core backward mainloop (both arches, both kernel families).
 //
 // With S the raw scores and lse the forward's log-sum-exp (natural log), in the mma C-fragment layout:
-//   P  = exp2(scale_log2 * mod(S) - lse * log2(e))     after the score modifier and the mask
+//   P  = exp2(scale_log2 * mod(S) - lse * log2(e))     the mask hides entries of this exponent (-inf), so
+//                                                      any scale works: 0 or negative never meets -inf
 //   dS = P o (dP - D)                                   then the score modifier's backward
 // The dK/dV kernels hold S^T (rows = keys, columns = queries): lse and D are per column and are read in
 // pairs from small shared vectors where they are used, so neither holds registers across a GEMM. The dQ
@@ -13,6 +14,16 @@
 
 namespace cuflash {
 
+// acc = 2^acc, elementwise (the masked -inf give exactly 0).
+template <int kNT>
+__device__ __forceinline__ void exp2_tile(float (&acc)[kNT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(acc[nt][e]);
+    }
+}
+
 // P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
 // key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
 template <typename Cfg, int kNT>
@@ -21,16 +32,17 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], const typ
                                                  unsigned s_lse, float scale_log2) {
     const int key_row = key0 + key_row0 + g, query_col = query0 + q_col0 + 2 * t;
     typename Cfg::ScoreMod().apply_transposed(acc, key_row, query_col);
-    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN) || query0 + Cfg::kBlockM > seqlen_q) {
-        mask.apply_transposed(acc, key_row, query_col, seqlen_q);
-    }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);
         const float lse2[2] = {lse_log2_offset(l.x), lse_log2_offset(l.y)};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(acc[nt][e] * scale_log2 - lse2[e & 1]);
+        for (int e = 0; e < 4; ++e) acc[nt][e] = acc[nt][e] * scale_log2 - lse2[e & 1];
     }
+    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN) || query0 + Cfg::kBlockM > seqlen_q) {
+        mask.apply_transposed(acc, key_row, query_col, seqlen_q);
+    }
+    exp2_tile(acc);
 }
 
 // dS^T = P^T o (dP^T - D) in place of dP^T; s_dsum: this thread's first D pair in shared memory.
@@ -56,12 +68,13 @@ __device__ __forceinline__ void probs_rows(float (&acc)[1][kNT][4], const typena
                                            int key0, int row0, int col0, const float (&lse2)[2],
                                            float scale_log2) {
     typename Cfg::ScoreMod().apply(acc, row0, col0);
-    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) mask.template apply<1, kNT>(acc, row0, col0);
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][nt][e] = fast_exp2(acc[0][nt][e] * scale_log2 - lse2[e >> 1]);
+        for (int e = 0; e < 4; ++e) acc[0][nt][e] = acc[0][nt][e] * scale_log2 - lse2[e >> 1];
     }
+    if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) mask.template apply<1, kNT>(acc, row0, col0);
+    exp2_tile(acc[0]);
 }
 
 // dS = P o (dP - D) in place of dP; dsum: D of the thread's two rows.

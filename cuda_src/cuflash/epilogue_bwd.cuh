@@ -160,7 +160,8 @@ __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const
             const float* part = (which == 0 ? first.dk_accum(params, kHeadDim, slot0, slots)
                                             : first.dv_accum(params, kHeadDim, slot0, slots)) + offset;
             float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int j = 0; j < parts; ++j) {
+#pragma unroll 4
+            for (int j = 0; j < parts; ++j) {  // 4 partials' loads in flight per thread
                 const float4 x = reinterpret_cast<const float4*>(part + j * head_size)[0];
                 const float4 y = reinterpret_cast<const float4*>(part + j * head_size)[1];
                 sum[0] += x.x; sum[1] += x.y; sum[2] += x.z; sum[3] += x.w;
