@@ -516,10 +516,10 @@ def one_key_rows(p: Problem) -> int:
 
 def cancellation_allowance(p: Problem, x: Inputs, rows: int) -> dict:
     """Absolute allowance for dq and dk from ``rows`` one-hot rows per (batch, head):
-    CANCELLATION_ALLOWANCE * scale * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H)."""
+    CANCELLATION_ALLOWANCE * |scale| * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H)."""
     if rows == 0:
         return {}
-    common = (CANCELLATION_ALLOWANCE * p.softmax_scale * rms_row_norm(to_f64(x.dout))
+    common = (CANCELLATION_ALLOWANCE * abs(p.softmax_scale) * rms_row_norm(to_f64(x.dout))
               * rms_row_norm(to_f64(x.v)) * math.sqrt(rows * p.B * p.H))
     return {"dq": common * rms_row_norm(to_f64(x.k)), "dk": common * rms_row_norm(to_f64(x.q))}
 
