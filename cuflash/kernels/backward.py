@@ -18,7 +18,6 @@ the compile, on the CPU.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from ..arch import arch_caps
@@ -259,59 +258,31 @@ _SM_FLOPS = 2.5e12
 _PARTIAL_BYTES_PER_S = 2.5e12
 
 
-def _query_steps(shape: ProblemShape, block_m: int, block_n: int, key_blocks: int) -> list:
-    """Query blocks the dK/dV kernel's block for each key block walks (the causal triangle)."""
-    m_end = _ceil_div(shape.seqlen_q, block_m)
-    if not shape.causal:
-        return [m_end] * key_blocks
-    offset = shape.seqlen_k - shape.seqlen_q
-    steps = []
-    for n in range(key_blocks):
-        first_row = n * block_n - offset  # the first query row that sees key block n
-        steps.append(max(0, m_end - max(0, first_row) // block_m) if first_row < shape.seqlen_q else 0)
-    return steps
-
-
-def _makespan(works: list, num_sms: int) -> float:
-    """Finish time of blocks of the given work, in launch order, each taken by the first SM to free up."""
-    if len(works) > 20000:  # (plans are cached, but keep the first call of a huge grid cheap)
-        if min(works) == max(works):  # whole waves
-            return _ceil_div(len(works), num_sms) * works[0]
-        return max(max(works), sum(works) / num_sms)
-    free = [0.0] * min(num_sms, len(works))
-    heapq.heapify(free)
-    end = 0.0
-    for work in works:
-        start = heapq.heappop(free)
-        end = max(end, start + work)
-        heapq.heappush(free, start + work)
-    return end
-
-
 def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) -> int:
     """Query heads one dK/dV block accumulates (a divisor of the GQA group size ``H / Hkv``).
 
     A block keeps its key block's dK / dV in registers across the query heads it walks, so G heads per
     block write G times fewer fp32 partials (none at all, and no reduce kernel, when G is the whole
-    group), but the grid has G times fewer, G times longer blocks. The model: the makespan of the
-    blocks' steps (one step: a block_m x block_n tile of the five GEMMs) on num_sms SMs, in launch order,
-    plus the partials' write-and-reduce traffic; ties go to the larger G. Measured cases (H100): MQA B2
-    S1k H8 D256 full takes G = 2 (one wave of 128 blocks instead of two of 256, half the partials);
-    causal keeps G = 1 (the triangle's longest blocks would double); GQA 32/8 B4 S4k D128 takes the
-    whole group (dK / dV written directly, no reduce).
+    group), but the grid has G times fewer, G times longer blocks. Without a causal mask every block has
+    the same work, and the model is whole waves of blocks (``ceil(blocks / num_sms) * G`` steps of one
+    block_m x block_n tile of the five GEMMs) plus the partials' write-and-reduce traffic; ties go to the
+    larger G. With a causal mask blocks differ (the triangle) and merging heads lengthens the longest ones:
+    one head per block. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
+    H8 D256 full 187 / 208 / 140 / 83 (G = 2 picked), causal 107 / 110 / 71 / 42; GQA 32/8 B4 S4k D128 full
+    386 / 398 / 410 (G = 4: no partials, no reduce), causal 340 / 323 / 329.
     """
     group = shape.num_heads // shape.num_heads_k
-    if group == 1:
+    if group == 1 or shape.causal:
         return 1
     key_blocks = _ceil_div(shape.seqlen_k, block_n)
-    steps = _query_steps(shape, block_m, block_n, key_blocks)
+    steps = _ceil_div(shape.seqlen_q, block_m)  # query blocks each block walks, per head
     step_s = 10.0 * block_m * block_n * shape.head_dim_bucket / _SM_FLOPS  # 5 GEMMs of 2 m n k FLOPs
     best, best_cost = 1, None
     for g in range(1, group + 1):
         if group % g:
             continue
-        works = [g * st for _ in range(shape.batch * (shape.num_heads // g)) for st in steps]
-        cost = _makespan(works, num_sms) * step_s
+        blocks = key_blocks * (shape.num_heads // g) * shape.batch
+        cost = _ceil_div(blocks, num_sms) * g * steps * step_s
         if g != group:  # fp32 dK and dV partials: written once, read once by the reduce
             cost += 16.0 * shape.batch * (shape.num_heads // g) * shape.seqlen_k * shape.head_dim_bucket \
                 / _PARTIAL_BYTES_PER_S
