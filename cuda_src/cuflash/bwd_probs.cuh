@@ -11,18 +11,9 @@
 #pragma once
 
 #include "cuflash/bwd_config.cuh"
+#include "cuflash/gemm_sm80.cuh"
 
 namespace cuflash {
-
-// acc = 2^acc, elementwise (the masked -inf give exactly 0).
-template <int kNT>
-__device__ __forceinline__ void exp2_tile(float (&acc)[kNT][4]) {
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(acc[nt][e]);
-    }
-}
 
 // P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
 // key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
@@ -42,7 +33,7 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], const typ
     if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN) || query0 + Cfg::kBlockM > seqlen_q) {
         mask.apply_transposed(acc, key_row, query_col, seqlen_q);
     }
-    exp2_tile(acc);
+    transform(acc, [](float x) { return fast_exp2(x); });  // masked -inf -> exactly 0
 }
 
 // dS^T = P^T o (dP^T - D) in place of dP^T; s_dsum: this thread's first D pair in shared memory.
@@ -74,7 +65,7 @@ __device__ __forceinline__ void probs_rows(float (&acc)[1][kNT][4], const typena
         for (int e = 0; e < 4; ++e) acc[0][nt][e] = acc[0][nt][e] * scale_log2 - lse2[e >> 1];
     }
     if (mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) mask.template apply<1, kNT>(acc, row0, col0);
-    exp2_tile(acc[0]);
+    transform(acc[0], [](float x) { return fast_exp2(x); });
 }
 
 // dS = P o (dP - D) in place of dP; dsum: D of the thread's two rows.

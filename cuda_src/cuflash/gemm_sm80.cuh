@@ -14,13 +14,19 @@
 
 namespace cuflash {
 
-template <int kNTiles>
-__device__ __forceinline__ void clear(float (&acc)[kNTiles][4]) {
+// x = fn(x) for every element of a warp's C-fragment tile.
+template <int kNTiles, typename Fn>
+__device__ __forceinline__ void transform(float (&acc)[kNTiles][4], Fn&& fn) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[nt][e] = fn(acc[nt][e]);
     }
+}
+
+template <int kNTiles>
+__device__ __forceinline__ void clear(float (&acc)[kNTiles][4]) {
+    transform(acc, [](float) { return 0.f; });
 }
 
 template <int kMTiles, int kNTiles>
