@@ -43,12 +43,20 @@ cuflash) among the ratios; in the JSON, ``fwd_bwd_torch_*`` keys in each cell's 
 Output: a progress bar, one table (TFLOPS, with cuflash / cuDNN and cuflash / FA2 ratios), and
 ``bench.json`` + ``bench.png`` in ``--out`` (default ./bench_out). Without a usable GPU, or when cuflash
 measured nothing, it says why and exits 1.
+
+``--features`` adds, after the grid, the features table (``benchmarks/features.py``: block-causal,
+document-causal, sliding window, learnable bias with its gradient, plain causal; cuflash against
+FlexAttention and SDPA with explicit masks, useful TFLOPS = dense FLOPs x visible fraction, the issue's
+targets beside them); ``--features-only`` times that table alone (``--cases REGEX`` picks cases). It goes
+into ``bench.json`` under ``features``. A features-only run exits 1 only when nothing at all was measured
+(cuflash cells that raise NotImplementedError show ``n/i`` while the peers still run).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +70,27 @@ from pathlib import Path
 
 TOKENS = 16384
 HIDDEN = 2048
+
+
+def load_features():
+    """benchmarks/features.py beside this file (loaded by path: benchmarks/ is no package)."""
+    path = Path(__file__).resolve().parent / "features.py"
+    name = "cuflash_bench_features"
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == str(path):
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module while the file executes
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+features = load_features()
 
 #: Implementations in table order: (key, short label).
 IMPLS = (
@@ -835,24 +864,38 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-deterministic", action="store_true",
                         help="do not time cuflash's deterministic=True backward (the cf-det, det/cf columns)")
     parser.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png (default ./bench_out)")
-    parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument("--features", action="store_true",
+                        help="after the grid, also time the features table (masks, bias; cuflash vs "
+                             "FlexAttention and SDPA with explicit masks)")
+    parser.add_argument("--features-only", action="store_true",
+                        help="time only the features table (no grid)")
+    parser.add_argument("--cases", metavar="REGEX[,REGEX...]",
+                        help="only feature cases whose name matches one of these (e.g. 'blockcausal,doc')")
+    parser.add_argument("--list", action="store_true", help="print the cells (and feature cases) and exit")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    cells = select_cells(args.quick, args.cells)
+    run_grid = not args.features_only
+    cells = select_cells(args.quick, args.cells) if run_grid else []
+    cases = features.select_cases(args.cases) if (args.features or args.features_only) else []
     if args.list:
         for c in cells:
             print(f"{c.name:34s} B={c.B} S={c.S} H={c.H} Hkv={c.Hkv} D={c.D} causal={c.causal}")
+        for c in cases:
+            print(f"{c.name:34s} {c.describe()}")
         return 0
     problem = _gpu_problem()
     if problem is not None:
         print(f"cuflash bench needs a CUDA GPU and found no usable one ({problem}): nothing was measured.",
               file=sys.stderr)
         return 1
-    if not cells:
+    if run_grid and not cells:
         print("no cell matches --cells")
+        return 2
+    if (args.features or args.features_only) and not cases:
+        print("no feature case matches --cases")
         return 2
 
     # JAX must not grab 75% of the GPU before torch and CuPy allocate anything.
@@ -863,26 +906,23 @@ def main(argv=None) -> int:
     impls = ["cuflash"] + _installed_peers(torch, args.no_peers, args.peers)
     deterministic = not args.no_deterministic
     start = time.perf_counter()
-    try:
-        print(_precompile(cells, deterministic), flush=True)
-    except Exception as exc:  # noqa: BLE001 - then each cell compiles on first use
-        print(f"precompile skipped ({_reason(exc)}); kernels compile on first use", flush=True)
     timer = Timer()
-    print(f"timing {len(cells)} cells x {len(impls)} implementations ({', '.join(impls)}) with "
-          f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}"
-          f"{', plus cuflash deterministic=True forward+backward' if deterministic else ''}", flush=True)
-
-    progress = Progress(len(cells) * sum(len(modes_of(i, deterministic, torch is not None)) for i in impls))
     measured = []
-    for cell in cells:
-        measured.append(measure_cell(cell, impls, timer, torch, progress, deterministic))
-        _synchronize(torch)
-        import cupy
+    if cells:
+        try:
+            print(_precompile(cells, deterministic), flush=True)
+        except Exception as exc:  # noqa: BLE001 - then each cell compiles on first use
+            print(f"precompile skipped ({_reason(exc)}); kernels compile on first use", flush=True)
+        print(f"timing {len(cells)} cells x {len(impls)} implementations ({', '.join(impls)}) with "
+              f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}"
+              f"{', plus cuflash deterministic=True forward+backward' if deterministic else ''}", flush=True)
 
-        cupy.get_default_memory_pool().free_all_blocks()
-        if torch is not None:
-            torch.cuda.empty_cache()
-    progress.close()
+        progress = Progress(len(cells) * sum(len(modes_of(i, deterministic, torch is not None)) for i in impls))
+        for cell in cells:
+            measured.append(measure_cell(cell, impls, timer, torch, progress, deterministic))
+            _free(torch)
+        progress.close()
+    feature_report = _measure_features(cases, torch, args, timer) if cases else None
 
     import cuflash
 
@@ -907,21 +947,69 @@ def main(argv=None) -> int:
             if deterministic else "not timed (--no-deterministic)",
             "seconds": round(time.perf_counter() - start, 1),
         },
-        "implementations": impls,
+        "implementations": impls if cells else [],
         "cells": measured,
     }
+    if feature_report is not None:
+        report["features"] = feature_report
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
     print()
     print(f"{report['meta']['device']['name']}, commit {report['meta']['commit']}, {report['meta']['date']}")
-    print(table(report))
-    print(f"wrote {out_dir / 'bench.json'}; {plot(report, out_dir / 'bench.png')}")
+    if cells:
+        print(table(report))
+    if feature_report is not None:
+        print(features.table(feature_report))
+    wrote = plot(report, out_dir / "bench.png") if cells else "no grid: no PNG written"
+    print(f"wrote {out_dir / 'bench.json'}; {wrote}")
     print(f"total {report['meta']['seconds']} s")
-    if not measured_anything(report):
+    if cells and not measured_anything(report):
         print("cuflash measured nothing (every cell n/a; the notes above say why)", file=sys.stderr)
         return 1
+    if not cells and not features.measured_anything(feature_report):
+        print("the features table measured nothing (every cell n/a; the notes above say why)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _free(torch):
+    """Return cached device memory between cells / cases."""
+    _synchronize(torch)
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def _measure_features(cases: list, torch, args, timer: Timer) -> dict:
+    """The features table's cases, timed like the grid (same Timer); a case that fails entirely (its
+    inputs cannot be made, ...) is recorded with a note and the table goes on."""
+    impls = ["cuflash"] + features.installed_peers(torch, args.no_peers, args.peers)
+    print(f"features: timing {len(cases)} cases x {len(impls)} implementations ({', '.join(impls)}) with "
+          f"{'triton.testing.do_bench' if timer.triton else 'CUDA events'}", flush=True)
+    progress = Progress(len(cases) * len(impls) * len(features.MODES))
+    measured = []
+    t0 = time.perf_counter()
+    for case in cases:
+        try:
+            measured.append(features.measure_case(case, impls, timer, torch, progress, make_inputs,
+                                                   _relative_difference))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory making the inputs
+            note = "n/a: " + _reason(exc)
+            entry = {**dataclasses.asdict(case), "description": case.describe(),
+                     "visible_fraction": features.visible_fraction(case),
+                     "results": {i: {"note": note} for i in impls}, "output_check": {}}
+            entry["ratios"] = features.ratios(entry)
+            measured.append(entry)
+        try:
+            _free(torch)
+        except Exception:  # noqa: BLE001
+            pass
+    progress.close()
+    return {"meta": {**features.meta(), "seconds": round(time.perf_counter() - t0, 1)},
+            "implementations": impls, "cases": measured}
 
 
 if __name__ == "__main__":

@@ -94,12 +94,13 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 
 // ---------------------------------------------------------------------------------------------------
 // dK, dV (and, with kAtomicDq, dQ += dS.K into dq_accum) for key block blockIdx.x of the query-head group
-// blockIdx.y of batch blockIdx.z. kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq,
+// blockIdx.y of batch blockIdx.z. kMask: a MaskKind (mask.cuh); kScoreMod: the softcap / ALiBi modifier
+// (score_mod.cuh). kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, bool kScoreMod, bool kAtomicDq,
           bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params) {
-    using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kAtomicDq>;
+    using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq>;
     using Mainloop = conditional_t<kWgmma, DkdvMainloopSm90<Cfg>, DkdvMainloopSm80<Cfg>>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_smem);
@@ -108,7 +109,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
     const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
-    const typename Cfg::Mask mask{params.seqlen_q, params.seqlen_k, params.causal_offset};
+    const typename Cfg::Mask mask(params, b);
     const typename Cfg::Blocks blocks(mask, n_block);
 
     float acc_dv[Cfg::kDTiles][4];
@@ -122,18 +123,18 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
 // ---------------------------------------------------------------------------------------------------
 // Deterministic dQ: query block blockIdx.x (longest first when causal) of head blockIdx.y walks its key
 // blocks and accumulates dQ = dS . K in registers; no atomics.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, bool kScoreMod>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dq_kernel(const AttnParams params) {
-    using Cfg = DqConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>;
+    using Cfg = DqConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod>;
     using Mainloop = DqMainloopSm80<Cfg>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_smem);
     Mainloop::check_smem(smem);
 
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
-    const typename Cfg::Mask mask{params.seqlen_q, params.seqlen_k, params.causal_offset};
+    const typename Cfg::Mask mask(params, b);
     const typename Mainloop::Blocks blocks(mask, m_block);
 
     float acc_dq[Cfg::kDTiles][4];

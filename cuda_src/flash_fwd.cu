@@ -40,12 +40,12 @@
 
 namespace cuflash {
 
-// kWgmma = false: the mma.sync mainloop (sm_80 and later). kWgmma = true: the warpgroup mainloop of
-// sm_90a; its default keeps older 7-argument names meaning mma.sync.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool kIsCausal,
-          bool kWgmma = false>
+// kMask: a MaskKind (mask.cuh); kScoreMod: the softcap / ALiBi modifier (score_mod.cuh) instead of none.
+// kWgmma = false: the mma.sync mainloop (sm_80 and later). kWgmma = true: the warpgroup mainloop of sm_90a.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kMask, bool kScoreMod,
+          bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParams params) {
-    using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal>;
+    using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod>;
     using Mainloop = conditional_t<kWgmma, FwdMainloopSm90<Cfg>, FwdMainloopSm80<Cfg>>;
     using Epilogue = FwdEpilogue<Elem, typename Mainloop::QTile, Cfg::kThreads>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
@@ -56,12 +56,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     const unsigned smem_q = sm80::smem_addr(smem);
     Mainloop::check_smem(smem_q);
 
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // causal: longest first
+    const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // masks: longest first
     const SeqInfo seq(params, blockIdx.z, blockIdx.y);
     const int row_begin = m_block * kBlockM;
     const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block
 
-    const typename Cfg::Mask mask{seq.seqlen_q, seq.seqlen_k, params.causal_offset};
+    const typename Cfg::Mask mask(params, seq.b);
     const typename Cfg::Blocks blocks(mask, m_block);
     if (blocks.empty()) {  // no row of this block sees any key
         Epilogue::template store_empty<kBlockM>(params, seq, row_begin);
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     mainloop.run(params, seq, acc_o, softmax);
 
     float lse[Cfg::kMTiles][2];
-    softmax.finalize(acc_o, fabsf(params.scale), lse);
+    softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
     Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, smem_q);
 }
 

@@ -45,23 +45,26 @@ namespace cuflash {
 namespace simt {
 
 // Two resident blocks per SM: caps registers at 128 (2 x 256 threads fill the 64K register file).
-// Without the hint ptxas (CUDA 13, sm_90a) squeezed some variants to 80 registers and spilled.
+// Without the hint ptxas (CUDA 13, sm_90a) squeezed some variants to 80 registers and spilled. The
+// general-mask and score-modifier variants need more (ids, tanhf) and run one block per SM.
 constexpr int kMinBlocksPerSm = 2;
+template <int kMask, bool kScoreMod>
+__host__ __device__ constexpr int min_blocks_per_sm() { return kMask == kGeneralMask || kScoreMod ? 1 : kMinBlocksPerSm; }
 constexpr int kPrepRows = 32;    // query rows per pre-pass block
 constexpr int kReduceRows = 16;  // key rows per GQA reduce block
 
 // A tiled SIMT kernel's template arguments and the parts it is built from: the one place that picks
 // the mask, the block ranges and the score modifier.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kIsCausal_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kMask_, bool kScoreMod_>
 struct Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
-    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kMask = kMask_;  // MaskKind
     static constexpr int kPitch = kHeadDim + kPad;  // row pitch of the (rows x kHeadDim) shared tiles
     using Cols = OutCols<kHeadDim>;
-    using Mask = AttnMask<kIsCausal>;
-    using Keys = KeyBlocks<kBlockM, kBlockN>;       // key blocks of a query block (forward, dQ)
-    using Queries = QueryBlocks<kBlockM, kBlockN>;  // query blocks of a key block (dK / dV)
-    using ScoreMod = IdentityScoreMod;
+    using Mask = MaskOf<kMask>;
+    using Keys = KeyBlocksOf<kMask, kBlockM, kBlockN>;       // key blocks of a query block (forward, dQ)
+    using Queries = QueryBlocksOf<kMask, kBlockM, kBlockN>;  // query blocks of a key block (dK / dV)
+    using ScoreMod = ScoreModOf<kScoreMod_>;
     static_assert(kBlockM % kThreadRows == 0 && kBlockN % kThreadRows == 0 && kThreadRows == kLanesPerRow,
                   "tiles are 16 x 16 thread grids");
 };
@@ -132,16 +135,16 @@ struct FwdSmem {
 };
 
 // Raw scores -> the score modifier -> -inf where the mask hides the pair (tested only in tiles that
-// may hold such a pair).
+// may hold such a pair; `masked`: the block list's word, see bwd_probs.cuh).
 template <typename Cfg, int kI, int kJ>
 __device__ __forceinline__ void modify_and_mask(float (&s)[kI][kJ], const typename Cfg::Mask& mask,
+                                                const typename Cfg::ScoreMod& score_mod, bool masked,
                                                 TilePos<false> at, int row0, int col0) {
-    const typename Cfg::ScoreMod score_mod{};
 #pragma unroll
     for (int i = 0; i < kI; ++i)
 #pragma unroll
         for (int j = 0; j < kJ; ++j) s[i][j] = score_mod.apply_one(s[i][j], at.query(row0, i, j), at.key(col0, i, j));
-    if (mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN)) {
+    if (masked && mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN)) {
 #pragma unroll
         for (int i = 0; i < kI; ++i)
 #pragma unroll
@@ -274,6 +277,9 @@ struct BwdMainloop {
     static constexpr int kAccs = kKeyRows ? 2 : 1;
     using Acc = float[kAccs][kI][Cfg::Cols::kPerThread];
 
+    // The streamed blocks: query blocks that see this key block, or key blocks this query block sees.
+    using Steps = conditional_t<kKeyRows, typename Cfg::Queries, typename Cfg::Keys>;
+
     const AttnParams& params;
     const SeqInfo& seq;
     const Smem sm;
@@ -282,9 +288,8 @@ struct BwdMainloop {
     const int fixed_block;
 
     __device__ __forceinline__ BwdMainloop(const AttnParams& params_, const SeqInfo& seq_, int fixed_block_)
-        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()),
-          mask{seq_.seqlen_q, seq_.seqlen_k, params_.causal_offset}, at(this_thread<kKeyRows>()),
-          fixed_block(fixed_block_) {}
+        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()), mask(params_, seq_.b),
+          at(this_thread<kKeyRows>()), fixed_block(fixed_block_) {}
 
     __device__ __forceinline__ void run(Acc& acc) const {
         const int fixed0 = fixed_block * kTileRows;  // first key (kKeyRows) or query row of the resident side
@@ -292,18 +297,18 @@ struct BwdMainloop {
         if constexpr (!kKeyRows) row_stats(seq, lse, delta, fixed0);
 #pragma unroll
         for (int a = 0; a < kAccs; ++a) fill_zero(acc[a]);
-        int begin, end;
-        step_range(begin, end);
-        if (begin < end) load_side<!kKeyRows>(seq, sm.fixed_s, sm.fixed_dp, fixed0, false);
-        for (int step = begin; step < end; ++step) {
-            const int start = step * kTileCols;
+        const Steps blocks(mask, fixed_block);
+        if (blocks.count() > 0) load_side<!kKeyRows>(seq, sm.fixed_s, sm.fixed_dp, fixed0, false);
+        for (int step = 0; step < blocks.count(); ++step) {
+            const int index = blocks.count() - 1 - step;  // ascending for both kinds of blocks
+            const int start = blocks.block(index) * kTileCols;
             const int row0 = kKeyRows ? start : fixed0, col0 = kKeyRows ? fixed0 : start;
             // Every thread finished reading the last step's tiles (and its warp's rows of P / dS).
             __syncthreads();
             const SeqInfo streamed = streamed_seq();
             load_side<kKeyRows>(streamed, sm.step_s, sm.step_dp, start, true);
             if constexpr (kKeyRows) row_stats(streamed, lse, delta, row0);
-            recompute(lse, delta, row0, col0);
+            recompute(lse, delta, row0, col0, blocks.masked(index));
             __syncwarp();  // the rows just written are read back only by this warp
             if constexpr (kKeyRows) accumulate(acc[1], sm.p, sm.step_dp);  // dV += P^T dO
             accumulate(acc[0], sm.ds, sm.step_s);                          // dK += dS^T Q, or dQ += dS K
@@ -311,18 +316,6 @@ struct BwdMainloop {
     }
 
   private:
-    // The streamed blocks: query blocks that see this key block, or key blocks this query block sees.
-    __device__ __forceinline__ void step_range(int& begin, int& end) const {
-        if constexpr (kKeyRows) {
-            const typename Cfg::Queries blocks(mask, fixed_block);
-            begin = blocks.m_begin;
-            end = blocks.m_end;
-        } else {
-            const typename Cfg::Keys blocks(mask, fixed_block);
-            begin = blocks.n_begin;
-            end = blocks.n_end;
-        }
-    }
 
     // The sequence info of the streamed side's loads. The dK/dV kernel rebuilds it every step from an
     // opaque (b, h): its Q / dO / lse / D pointers are then formed from the constant-bank params where
@@ -368,21 +361,23 @@ struct BwdMainloop {
     // the mask, P = exp(scale S - lse) (0 where hidden); then dP = A2.B2^T and dS = grad(P (dP - D)).
     // Waits for the step's cp.async groups: B with the first wait, B2 with the second.
     __device__ __forceinline__ void recompute(const float (&lse)[kQueries], const float (&delta)[kQueries], int row0,
-                                              int col0) const {
-        const typename Cfg::ScoreMod score_mod{};
+                                              int col0, bool masked) const {
+        const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h);
+        // A modifier of the scaled domain (score_mod.cuh) has applied the scale already.
+        const float p_scale = Cfg::ScoreMod::kScaled ? 1.f : params.scale;
         sm80::cp_async_wait<1>();  // the resident tiles and B landed (B2 may be in flight)
         __syncthreads();
         float s[kI][kJ], p[kI][kJ];
         tile_dot_abt<kTileRows, kTileCols, Cfg::kPitch>(s, sm.fixed_s, sm.step_s, round_up4(params.head_dim), at.tx,
                                                         at.ty);
-        const bool needs_mask = mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN);
+        const bool needs_mask = masked && mask.needs_mask(row0, Cfg::kBlockM, col0, Cfg::kBlockN);
 #pragma unroll
         for (int i = 0; i < kI; ++i) {
 #pragma unroll
             for (int j = 0; j < kJ; ++j) {
                 const bool visible = !needs_mask || mask.visible(at.query(row0, i, j), at.key(col0, i, j));
                 const float s_mod = score_mod.apply_one(s[i][j], at.query(row0, i, j), at.key(col0, i, j));
-                p[i][j] = visible ? recompute_p(s_mod, params.scale, lse[kKeyRows ? j : i]) : 0.f;
+                p[i][j] = visible ? recompute_p(s_mod, p_scale, lse[kKeyRows ? j : i]) : 0.f;
             }
         }
 
@@ -433,24 +428,27 @@ __device__ __forceinline__ void store_dkdv(const AttnParams& params, const SeqIn
 // ---------------------------------------------------------------------------------------------
 // Forward: O = softmax(scale * Q K^T) V with an online softmax over key blocks; lse per row.
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
-__global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_fwd_simt_kernel(const AttnParams params) {
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+__global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
+flash_fwd_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kIsCausal>;
+    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kMask, kScoreMod>;
     using Smem = FwdSmem<Cfg>;
     constexpr int kRows = kBlockM / kThreadRows;   // query rows per thread
     constexpr int kCols = kBlockN / kLanesPerRow;  // keys per thread per block
     CUFLASH_CHECK_SMEM_BYTES(Smem::kSmemBytes);
     const Smem sm(shared_floats<Smem::kSmemBytes>());
 
-    // Causal: the last query blocks see the most keys; start them first.
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Masks: the last query blocks see the most keys; start them first.
+    const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const SeqInfo seq(params, blockIdx.z, blockIdx.y);
     const Loads<Cfg> loads{params, seq};
     const TilePos<false> at = this_thread<false>();
     const int row0 = m_block * kBlockM;
-    const typename Cfg::Mask mask{seq.seqlen_q, seq.seqlen_k, params.causal_offset};
+    const typename Cfg::Mask mask(params, seq.b);
     const typename Cfg::Keys blocks(mask, m_block);
+    const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h);
+    const float scale_log2 = Cfg::ScoreMod::exp_factor(params);
     const int depth_qk = round_up4(params.head_dim);
 
     float acc_o[kRows][Cfg::Cols::kPerThread];
@@ -458,11 +456,14 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
     RowSoftmax<kRows> softmax;
     if (!blocks.empty()) {
         loads.q(sm.q, row0);
-        loads.k(sm.k, blocks.n_begin * kBlockN);
+        loads.k(sm.k, blocks.block(blocks.count() - 1) * kBlockN);
         sm80::cp_async_commit();
     }
-    for (int n_block = blocks.n_begin; n_block < blocks.n_end; ++n_block) {
-        const int col0 = n_block * kBlockN;
+    // Ascending key blocks (index count - 1 - j of the last-first lists): the order the plain variants
+    // were tuned in (the descending order spilled 4-12 bytes at 128 registers).
+    for (int j = 0; j < blocks.count(); ++j) {
+        const int index = blocks.count() - 1 - j;
+        const int col0 = blocks.block(index) * kBlockN;
         // K(n) (and Q) landed; every thread finished P.V of the previous block, so sV is free.
         sm80::cp_async_wait<0>();
         __syncthreads();
@@ -471,15 +472,15 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_f
 
         float s[kRows][kCols];
         tile_dot_abt<kBlockM, kBlockN, Cfg::kPitch>(s, sm.q, sm.k, depth_qk, at.tx, at.ty);
-        modify_and_mask<Cfg>(s, mask, at, row0, col0);
+        modify_and_mask<Cfg>(s, mask, score_mod, blocks.masked(index), at, row0, col0);
         float correction[kRows];
-        softmax.template step<Smem::kPPitch>(s, correction, sm.p, params.scale_log2, at);
+        softmax.template step<Smem::kPPitch>(s, correction, sm.p, scale_log2, at);
 
         // V(n) landed and P is visible; every thread finished reading K(n), so sK is free.
         sm80::cp_async_wait<0>();
         __syncthreads();
-        if (n_block + 1 < blocks.n_end) {
-            loads.k(sm.k, col0 + kBlockN);
+        if (index > 0) {
+            loads.k(sm.k, blocks.block(index - 1) * kBlockN);
             sm80::cp_async_commit();
         }
         float acc_block[kRows][Cfg::Cols::kPerThread];
@@ -524,10 +525,11 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 // that sees them: S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D),
 // dV += P^T dO, dK += dS^T Q (simt::BwdMainloop with kKeyRows).
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
-__global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_bwd_dkdv_simt_kernel(const AttnParams params) {
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+__global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
+flash_bwd_dkdv_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kIsCausal>;
+    using Cfg = Config<kHeadDim, kBlockM, kBlockN, kMask, kScoreMod>;
     using Mainloop = BwdMainloop<Cfg, true>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
@@ -574,13 +576,14 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 // block: S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - D), dQ += dS K
 // (simt::BwdMainloop). Each block owns its dQ rows outright, so there are no atomics; dq = scale * dQ.
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, bool kIsCausal>
-__global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_bwd_dq_simt_kernel(const AttnParams params) {
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+__global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
+flash_bwd_dq_simt_kernel(const AttnParams params) {
     using namespace simt;
-    using Mainloop = BwdMainloop<Config<kHeadDim, kBlockM, kBlockN, kIsCausal>, false>;
+    using Mainloop = BwdMainloop<Config<kHeadDim, kBlockM, kBlockN, kMask, kScoreMod>, false>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const SeqInfo seq(params, blockIdx.z, blockIdx.y);
     typename Mainloop::Acc acc;  // dQ (unscaled)
     const Mainloop mainloop(params, seq, m_block);

@@ -38,8 +38,8 @@ def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_str
 
 def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, options, arrays=()):
     """The start every entry point shares: refuse planned options and non-GPU arrays (before touching
-    CUDA), make the stream current, describe and validate q/k/v, switch to their device.
-    Returns ``(qd, kd, vd, shape, scale, stream, switched)``."""
+    CUDA), make the stream current, describe and validate q/k/v and the score options, switch to their
+    device. Returns ``(qd, kd, vd, shape, scale, opts, stream, switched)``."""
     validation.reject_planned(options)
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(arrays):
         require_cuda(x, name)
@@ -49,8 +49,9 @@ def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, 
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
     shape = validation.check_qkv(qd, kd, vd, causal=causal)
     scale = validation.check_scale(scale, shape.head_dim)
+    shape, opts = validation.check_score_options(shape, options, describe, qd.device)
     stream, switched = _enter_device(stack, qd.device, stream, given_stream)
-    return qd, kd, vd, shape, scale, stream, switched
+    return qd, kd, vd, shape, scale, opts, stream, switched
 
 
 def _buffer(given, name: str, shape: tuple, dtype: str, device: int, *, rows_only=False, fill=None):
@@ -162,8 +163,8 @@ def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream):
 def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
     """The validating forward; stores a CallPlan under ``key`` (when not None) for the next call."""
     with contextlib.ExitStack() as stack:
-        qd, kd, vd, shape, scale, stream, switched = _enter_call(stack, q, k, v, causal=causal, scale=scale,
-                                                                 stream=stream, options=options)
+        qd, kd, vd, shape, scale, opts, stream, switched = _enter_call(
+            stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options)
         no_keys = shape.seqlen_k == 0
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, qd.device,
                         fill=0 if no_keys else None)
@@ -171,10 +172,16 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
                         fill=float("-inf") if no_keys else None)
         if _has_work(shape) and not no_keys:
             outputs = ((out_d.shape, _np_dtype(shape.dtype)), (lse_d.shape, _np_dtype("float32")))
-            plan = launch.CallPlan(launch.forward_plan(shape, qd.device), qd.device,
-                                   launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d), 5, outputs)
+            forward_plan = launch.forward_plan(shape, qd.device)
+            # The general mask's block lists (the only forward scratch); `owners` keeps them alive until
+            # the launches are enqueued (CuPy's pool is stream-ordered).
+            scratch, owners = _scratch(forward_plan, None, qd.device)
+            params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, scratch=scratch,
+                                        fields=(*forward_plan.fields, *opts.params(shape.causal).items()))
+            plan = launch.CallPlan(forward_plan, qd.device, params, 5, outputs)
             plan.launch((qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr), stream.ptr)
-            if key is not None and not switched:
+            del owners
+            if key is not None and not switched and not forward_plan.scratch:
                 _remember(_forward_plans, key, plan)
     return (out_d.array if out is None else out), (lse_d.array if lse is None else lse)
 
@@ -263,7 +270,7 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
               options, key):
     """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call."""
     with contextlib.ExitStack() as stack:
-        qd, kd, vd, shape, scale, stream, switched = _enter_call(
+        qd, kd, vd, shape, scale, opts, stream, switched = _enter_call(
             stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options,
             arrays=(("dout", dout), ("out", out), ("lse", lse)))
         dev, dtype = qd.device, shape.dtype
@@ -288,7 +295,8 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
             scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
-                                        dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch, fields=plan.fields)
+                                        dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch,
+                                        fields=(*plan.fields, *opts.params(shape.causal).items()))
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             call = launch.CallPlan(plan, dev, params, len(launch.POINTER_FIELDS), outputs)
@@ -296,7 +304,7 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
                         *(scratch.get(field, 0) for field in _SCRATCH_FIELDS), 0 if dlse_d is None else dlse_d.ptr)
             call.launch(pointers, stream.ptr)
             del owners
-            if key is not None and not switched:
+            if key is not None and not switched and not options:
                 _remember(_backward_plans, key, call)
     return tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
 
@@ -346,9 +354,11 @@ def _meta_desc(x, name: str) -> TensorDesc:
     return TensorDesc(name, shape, _contiguous_strides(shape), dtype, _ITEMSIZE.get(dtype, 1), 0, 0)
 
 
-def _shape_from_meta(q, k, v, causal: bool) -> ProblemShape:
-    """The problem shape of metadata-only q/k/v, through the same checks as a real call."""
-    return validation.check_qkv(_meta_desc(q, "q"), _meta_desc(k, "k"), _meta_desc(v, "v"), causal=causal)
+def _shape_from_meta(q, k, v, causal: bool, options: dict) -> ProblemShape:
+    """The problem shape of metadata-only q/k/v (and option arrays), through the same checks as a real
+    call."""
+    shape = validation.check_qkv(_meta_desc(q, "q"), _meta_desc(k, "k"), _meta_desc(v, "v"), causal=causal)
+    return validation.check_score_options(shape, options, _meta_desc, 0)[0]
 
 
 def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None, **options) -> dict:
@@ -358,7 +368,7 @@ def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None
     ``scale`` does not change the plan and is accepted so callers can pass one option set everywhere.
     """
     validation.reject_planned(options)
-    shape = _shape_from_meta(q, k, v, causal)
+    shape = _shape_from_meta(q, k, v, causal, options)
     if not _has_work(shape) or shape.seqlen_k == 0:
         return {}
     return launch.backward_plan(shape, launch.current_device(), bool(deterministic)).scratch_dict()
@@ -370,7 +380,7 @@ def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=
     from . import build
 
     validation.reject_planned(options)
-    shape = _shape_from_meta(q, k, v, causal)
+    shape = _shape_from_meta(q, k, v, causal, options)
     device = launch.current_device()
     plans = [launch.forward_plan(shape, device)]
     if backward:

@@ -654,14 +654,39 @@ def _naive_inputs(q, k, v, dtype, xp):
             _repeat_kv_heads(v, dims, xp).transpose(to_bhsd))
 
 
-def _naive_probabilities(q, k, dims: _Dims, scale, causal, xp):
-    """fp32 softmax(scale * q @ k^T) with the causal mask -> (P, lse), both float32."""
-    scale = np.float32(_default_scale(scale, dims))
-    s = xp.matmul(q, k.transpose(0, 1, 3, 2)) * scale
-    return _softmax_rows(s, _band(dims, causal, (None, None), xp), xp)
+def _naive_scores(q, k, dims: _Dims, scale, softcap, alibi_slopes, xp):
+    """fp32 scores -> (raw, s), both (B, H, Sq, Sk) float32: raw = scale * q @ k^T, then
+    s = softcap(raw) + ALiBi, each step rounded to float32 as a framework's elementwise ops are."""
+    raw = xp.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(_default_scale(scale, dims))
+    s = raw
+    if softcap is not None:
+        cap = np.float32(softcap)
+        s = cap * xp.tanh(raw / cap)
+    if alibi_slopes is not None:
+        # slope and distance are float32-exact, so the float64 product rounds like an fp32 multiply
+        s = s + _alibi(alibi_slopes, dims, xp).astype(np.float32)
+    return raw, s
 
 
-def naive_forward(q, k, v, *, dtype, scale=None, causal=False, xp=None):
+def _naive_probabilities(q, k, dims: _Dims, options: dict, xp):
+    """fp32 softmax of the naive scores under every mask -> (P, lse, raw), all float32."""
+    raw, s = _naive_scores(q, k, dims, options["scale"], options["softcap"],
+                           options["alibi_slopes"], xp)
+    visible = _visible(dims, options["causal"], options["window"], None, options["segment_ids"],
+                       options["block_ids"], xp)
+    probs, lse = _softmax_rows(s, visible, xp)
+    return probs, lse, raw
+
+
+def _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids) -> dict:
+    _check_softcap(softcap)
+    return {"scale": scale, "causal": causal, "window": _check_window(window),
+            "softcap": None if softcap is None else float(softcap), "alibi_slopes": alibi_slopes,
+            "segment_ids": segment_ids, "block_ids": block_ids}
+
+
+def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, None), softcap=None,
+                  alibi_slopes=None, segment_ids=None, block_ids=None, xp=None):
     """How a plain framework computes attention in ``dtype`` -> ``(out (B, Sq, H, Dv), lse (B, H, Sq))``.
 
     ``S = q @ k^T`` and the softmax run in float32; ``P`` is rounded to ``dtype`` before ``P @ V``
@@ -670,24 +695,33 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, xp=None):
     already be in ``dtype``; other floats are rounded to it first. Rows with no visible key give 0
     rather than a framework's NaN. With cupy, fp32 matmuls use cuBLAS (TF32 stays off unless
     ``CUPY_TF32=1``).
+
+    Options as in :func:`attention_forward`: ``causal``, ``window``, ``softcap`` (``tanh`` in float32),
+    ``alibi_slopes`` ((H,) or (B, H); the ALiBi term added in float32), ``segment_ids``,
+    ``block_ids``.
     """
     xp = _array_module(xp)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     with _quiet(xp):
-        probs, lse = _naive_probabilities(q, k, dims, scale, causal, xp)
+        probs, lse, _ = _naive_probabilities(q, k, dims, options, xp)
         out = xp.matmul(round_to_dtype(probs, dtype, xp), v)
         out = round_to_dtype(out, dtype, xp)
     return out.transpose(0, 2, 1, 3), lse
 
 
-def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, dlse=None, xp=None):
+def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(None, None),
+                   softcap=None, alibi_slopes=None, segment_ids=None, block_ids=None, dlse=None,
+                   xp=None):
     """The naive model's backward -> ``{"dq", "dk", "dv"}``, float32 arrays of ``dtype`` values.
 
     Float32 throughout, as a framework's autograd does: ``P`` is rounded to ``dtype`` before
-    ``dV = P^T @ dO``; ``dS = P * (dP - rowsum(P * dP) + dlse)`` is rounded to ``dtype`` before
-    ``dQ = dS @ K`` and ``dK = dS^T @ Q``; results are rounded to ``dtype``.
+    ``dV = P^T @ dO``; ``dS = P * (dP - rowsum(P * dP) + dlse)`` (times ``1 - tanh(raw / softcap)^2``
+    with a softcap) is rounded to ``dtype`` before ``dQ = dS @ K`` and ``dK = dS^T @ Q``; results are
+    rounded to ``dtype``. Same options as :func:`naive_forward`.
     """
     xp = _array_module(xp)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     dout = round_to_dtype(dout, dtype, xp)
     _check_shape("dout", dout, (dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v),
@@ -705,13 +739,16 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, dlse=None,
         return x.transpose(0, 2, 1, 3)
 
     with _quiet(xp):
-        probs, _ = _naive_probabilities(q, k, dims, scale, causal, xp)
+        probs, _, raw = _naive_probabilities(q, k, dims, options, xp)
         dv = xp.matmul(transposed(round_to_dtype(probs, dtype, xp)), dout)
         dprobs = xp.matmul(dout, transposed(v))
         dscores = dprobs - xp.sum(probs * dprobs, axis=-1, keepdims=True)
         if dlse is not None:
             dscores = dscores + dlse[..., None]
-        dscores = round_to_dtype(probs * dscores, dtype, xp)
+        dscores = probs * dscores
+        if options["softcap"] is not None:
+            dscores = dscores * _softcap_derivative(raw, np.float32(options["softcap"]), xp)
+        dscores = round_to_dtype(dscores, dtype, xp)
         dq = xp.matmul(dscores, k) * scale
         dk = xp.matmul(transposed(dscores), q) * scale
     return {

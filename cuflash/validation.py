@@ -5,7 +5,9 @@ Works on descriptions only (no GPU needed), so CPU tests exercise every rule.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 
 from .arrays import SUPPORTED_DTYPES, TensorDesc
 from .kernels import MAX_HEAD_DIM, ProblemShape
@@ -14,27 +16,138 @@ from .kernels import MAX_HEAD_DIM, ProblemShape
 LOAD_ALIGNMENT_BYTES = 16
 #: Grid y (heads) and z (batch) are limited to 65535 blocks.
 MAX_GRID_YZ = 65535
+#: Score options the kernels implement (docs/api.md); see :func:`check_score_options`.
+SCORE_OPTIONS = ("window", "softcap", "alibi_slopes", "segment_ids", "block_ids")
 #: Options docs/api.md promises that are not implemented yet; passing one raises NotImplementedError.
-PLANNED_OPTIONS = ("window", "softcap", "mask", "bias", "alibi_slopes", "segment_ids", "block_ids",
-                   "dropout_p", "seed")
+PLANNED_OPTIONS = ("mask", "bias", "dropout_p", "seed")
+#: A window side of None (unbounded) travels to the kernels as this many keys.
+UNBOUNDED_WINDOW = 1 << 30
 
 
 def reject_planned(options: dict) -> None:
-    """Raise for an option docs/api.md specifies but this build does not implement yet (never ignore it)."""
-    defaults = {"window": (None, None), "dropout_p": 0.0}
+    """Raise for an option docs/api.md specifies but this build does not implement yet (never ignore it),
+    and for keyword arguments no entry point takes."""
     for name in PLANNED_OPTIONS:
-        value = options.get(name, defaults.get(name))
-        if name == "window" and value is not None and tuple(value) == (None, None):
-            continue
+        value = options.get(name)
         if value is None or (name == "dropout_p" and value == 0.0):
             continue
         raise NotImplementedError(
             f"{name}= is not implemented in this version of cuflash yet (planned); today's kernels "
-            f"support scale, causal, GQA/MQA, dlse and deterministic"
+            f"support scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, GQA/MQA, dlse "
+            f"and deterministic"
         )
-    unknown = set(options) - set(PLANNED_OPTIONS)
+    unknown = set(options) - set(PLANNED_OPTIONS) - set(SCORE_OPTIONS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreOptions:
+    """The validated score options of one call (docs/api.md order: softcap, ALiBi, then the masks)."""
+
+    window: tuple = (None, None)  # (left, right), ints >= 0 or None
+    softcap: float = 0.0  # 0 = off
+    alibi: TensorDesc | None = None  # float32 (H,) or (B, H)
+    segment_ids: tuple | None = None  # (q_ids, k_ids) TensorDescs, int32 (B, Sq), (B, Sk)
+    block_ids: tuple | None = None
+
+    @property
+    def general_mask(self) -> bool:
+        return self.window != (None, None) or self.segment_ids is not None or self.block_ids is not None
+
+    @property
+    def score_mod(self) -> bool:
+        return self.softcap > 0.0 or self.alibi is not None
+
+    def params(self, causal: bool) -> dict:
+        """The ``AttnParams`` fields these options set (window sides folded with ``causal``); none without
+        options, so a plain call's parameter block is the one the cached path packs."""
+        if not (self.general_mask or self.score_mod):
+            return {}
+        left, right = (UNBOUNDED_WINDOW if w is None else min(int(w), UNBOUNDED_WINDOW) for w in self.window)
+        values = {"window_left": left, "window_right": min(right, 0) if causal else right,
+                  "softcap": self.softcap}
+        if self.alibi is not None:
+            values["alibi_slopes"] = self.alibi.ptr
+            values["alibi_batch_stride"] = self.alibi.strides[0] if self.alibi.ndim == 2 else 0
+        for pair, prefix in ((self.segment_ids, "segment"), (self.block_ids, "block")):
+            if pair is not None:
+                for side, t in zip("qk", pair):
+                    values[f"{side}_{prefix}_ids"] = t.ptr
+                    values[f"{side}_{prefix}_batch_stride"] = t.strides[0]
+        return values
+
+
+def _check_window(window) -> tuple:
+    if window is None:
+        return (None, None)
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is None:
+            sides.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window {name} must be an int >= 0 or None, got {type(w).__name__} {w!r}")
+        if w < 0:
+            raise ValueError(f"window {name} must be >= 0 (None for unbounded), got {w}")
+        sides.append(int(w))
+    return tuple(sides)
+
+
+def _check_softcap(softcap) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number > 0 or None, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be a finite number > 0 (or None / 0 for none), got {value}")
+    return value
+
+
+def _check_small_array(t: TensorDesc, shapes: tuple, dtype: str, device: int, expected: str) -> None:
+    """An option array: one of ``shapes``, ``dtype``, on ``device``, last dim contiguous, strides >= 0."""
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{t.name} must have shape {expected}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{t.name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{t.name} is on CUDA device {t.device} but q is on device {device}")
+    if t.shape and t.shape[-1] != 1 and t.strides[-1] != 1:
+        raise ValueError(f"{t.name} must be contiguous in its last dimension, got strides {t.strides}")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"{t.name} has negative strides {t.strides}; pass a copy")
+    if t.ptr % t.itemsize:
+        raise ValueError(f"{t.name}'s base pointer is not aligned to its {t.itemsize}-byte elements")
+
+
+def check_score_options(shape: ProblemShape, options: dict, describe, device: int) -> tuple:
+    """Validate window / softcap / alibi_slopes / segment_ids / block_ids (``describe(x, name)`` turns an
+    array into a TensorDesc). Returns ``(shape with general_mask / score_mod set, ScoreOptions)``."""
+    b, h, sq, sk = shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k
+    window = _check_window(options.get("window"))
+    softcap = _check_softcap(options.get("softcap"))
+    alibi = None
+    if options.get("alibi_slopes") is not None:
+        alibi = describe(options["alibi_slopes"], "alibi_slopes")
+        _check_small_array(alibi, ((h,), (b, h)), "float32", device, f"({h},) or ({b}, {h}) (H or B, H)")
+    pairs = {}
+    for name in ("segment_ids", "block_ids"):
+        pair = options.get(name)
+        if pair is None:
+            pairs[name] = None
+            continue
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise TypeError(f"{name} must be a pair (q_ids, k_ids) of int32 arrays (B, Sq) and (B, Sk)")
+        q_ids = describe(pair[0], f"{name}[0] (q_ids)")
+        k_ids = describe(pair[1], f"{name}[1] (k_ids)")
+        _check_small_array(q_ids, ((b, sq),), "int32", device, f"({b}, {sq}) (B, Sq)")
+        _check_small_array(k_ids, ((b, sk),), "int32", device, f"({b}, {sk}) (B, Sk)")
+        pairs[name] = (q_ids, k_ids)
+    opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"])
+    return dataclasses.replace(shape, general_mask=opts.general_mask, score_mod=opts.score_mod), opts
 
 
 def _check_dtype(t: TensorDesc) -> None:

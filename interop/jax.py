@@ -27,8 +27,11 @@ core's ``dbias`` (``_GRADIENT_NAMES``), the others get none.
 ``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, and a cotangent flowing into it
 reaches the backward as ``dlse`` (what ring / context-parallel attention needs to merge partial results).
 
-``jax.vmap`` over leading axes folds the mapped axis into the batch (one launch, not a loop); with array
-options it maps one element at a time, since their batch dim could not follow the fold.
+``jax.vmap`` over leading axes folds the mapped axis into the batch (one launch, not a loop), the array
+options with a batch dim included: ``segment_ids`` / ``block_ids`` ``(batch, seq)`` and ``alibi_slopes``
+``(heads,)`` or ``(batch, heads)`` fold like q (an unmapped ``(heads,)`` slope array stays shared; a mapped
+one gives each element its own slopes). With ``bias`` or ``mask`` it maps one element at a time, since
+their broadcastable batch dim could not follow the fold.
 
 Data-parallel over devices with ``shard_map`` (each device runs cuflash on its own batch shard):
 
@@ -60,6 +63,9 @@ __all__ = ["attention", "attention_sharded"]
 
 # Array options with a gradient, and the name of the core's backward output (and keyword) that holds it.
 _GRADIENT_NAMES = {"bias": "dbias"}
+# Array options whose batch dim follows a vmapped axis folded into the batch (see _fold_arrays); none has a
+# gradient. Any other array option (bias, mask) makes vmap map one element at a time.
+_FOLDABLE = frozenset({"alibi_slopes", "segment_ids", "block_ids"})
 
 _DLPACK_CUDA = 2  # DLPack's kDLCUDA device type
 
@@ -73,7 +79,10 @@ def attention(q, k, v, *, return_lse: bool = False, **options):
         ``heads % kv_heads == 0`` (grouped-query attention).
       return_lse: also return ``lse (batch, heads, seq_q)`` float32, differentiable.
       **options: as for ``cuflash.attention`` (``scale``, ``causal``, ``deterministic`` ...). Values that are
-        not arrays are static (hashable); array values are traced operands.
+        not arrays are static (hashable): ``window=(left, right)`` (ints or None), ``softcap``. Array values
+        are traced operands: ``alibi_slopes`` ``(heads,)`` or ``(batch, heads)`` float32,
+        ``segment_ids`` / ``block_ids`` pairs ``(q_ids (batch, seq_q), k_ids (batch, seq_k))`` int32; they
+        get no gradient (a zero cotangent).
 
     Returns:
       ``out (batch, seq_q, heads, head_dim_v)`` in q's dtype, or ``(out, lse)``.
@@ -188,7 +197,7 @@ def _forward_op(static: tuple):
     @custom_vmap
     def forward(q, k, v, arrays):
         _check_rank(q=q, k=k, v=v)
-        cuflash.prepare(q, k, v, backward=False, **options)
+        cuflash.prepare(q, k, v, backward=False, **options, **arrays)
         batch, seq_q, heads, _ = q.shape
         result = (
             jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[-1]), q.dtype),
@@ -198,9 +207,10 @@ def _forward_op(static: tuple):
 
     @forward.def_vmap
     def forward_vmap(axis_size, in_batched, q, k, v, arrays):
-        if jax.tree.leaves(arrays):
+        if not _foldable(arrays):
             return _map_over_axis(forward, in_batched, (q, k, v, arrays)), (True, True)
         q, k, v = (_fold(x, b, axis_size) for x, b in zip((q, k, v), in_batched[:3]))
+        arrays = _fold_arrays(arrays, in_batched[3], axis_size, q.shape[0] // axis_size)
         out, lse = forward(q, k, v, arrays)
         return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
 
@@ -214,12 +224,12 @@ def _backward_op(static: tuple):
 
     @custom_vmap
     def backward(dout, q, k, v, out, lse, dlse, arrays):
-        cuflash.prepare(q, k, v, backward=True, **options)
+        cuflash.prepare(q, k, v, backward=True, **options, **arrays)
         grads = {"dq": _like(q), "dk": _like(k), "dv": _like(v)}
         grads.update({grad: _like(arrays[name]) for name, grad in _GRADIENT_NAMES.items() if name in arrays})
         workspace = {
             name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
-            for name, shape in cuflash.backward_workspace(q, k, v, **options).items()
+            for name, shape in cuflash.backward_workspace(q, k, v, **options, **arrays).items()
         }
         args = (dout, q, k, v, out, lse, dlse, arrays)
         grads, _ = buffer_callback(callback, (grads, workspace))(*args)
@@ -228,10 +238,11 @@ def _backward_op(static: tuple):
     @backward.def_vmap
     def backward_vmap(axis_size, in_batched, dout, q, k, v, out, lse, dlse, arrays):
         args = (dout, q, k, v, out, lse, dlse, arrays)
-        if jax.tree.leaves(arrays):
+        if not _foldable(arrays):
             grads = _map_over_axis(backward, in_batched, args)
         else:
             folded = [None if x is None else _fold(x, b, axis_size) for x, b in zip(args[:-1], in_batched[:-1])]
+            arrays = _fold_arrays(arrays, in_batched[-1], axis_size, folded[1].shape[0] // axis_size)
             grads = {name: _unfold(g, axis_size) for name, g in backward(*folded, arrays).items()}
         return grads, {name: True for name in grads}
 
@@ -287,6 +298,34 @@ def _fold(x, batched: bool, axis_size: int):
 
 def _unfold(y, axis_size: int):
     return y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
+
+
+def _foldable(arrays: dict) -> bool:
+    """Whether every array option can follow q's batch through a fold (no options: trivially)."""
+    return _FOLDABLE.issuperset(arrays)
+
+
+def _fold_arrays(arrays: dict, batched: dict, axis_size: int, batch: int) -> dict:
+    """The array options of a vmapped call folded like q: ``(axis_size, batch, ...) -> (axis_size * batch,
+    ...)``; ``batch`` is the batch of one element of the mapped axis."""
+    folded = {}
+    for name, value in arrays.items():
+        if name == "alibi_slopes":
+            folded[name] = _fold_slopes(value, batched[name], axis_size, batch)
+        else:  # segment_ids / block_ids: a pair (q_ids (batch, seq_q), k_ids (batch, seq_k))
+            folded[name] = tuple(None if x is None else _fold(x, b, axis_size)
+                                 for x, b in zip(value, batched[name]))
+    return folded
+
+
+def _fold_slopes(slopes, batched: bool, axis_size: int, batch: int):
+    """ALiBi slopes, ``(heads,)`` (shared by the batch) or ``(batch, heads)``, for the folded batch."""
+    if not batched:
+        # Unmapped (heads,) slopes are shared by every element of the folded batch as they stand.
+        return slopes if slopes.ndim == 1 else _fold(slopes, False, axis_size)
+    if slopes.ndim == 2:  # (axis_size, heads): each element of the mapped axis has its own slopes
+        slopes = jnp.broadcast_to(slopes[:, None], (axis_size, batch, slopes.shape[-1]))
+    return slopes.reshape(axis_size * batch, slopes.shape[-1])
 
 
 def _map_over_axis(op, in_batched, args):

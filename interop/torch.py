@@ -62,6 +62,11 @@ _PAIRS = {
     "segment_ids": ("segment_ids_q", "segment_ids_k"),
     "block_ids": ("block_ids_q", "block_ids_k"),
 }
+_PAIR_FORMS = {
+    "window": "(left, right) of ints or None",
+    "segment_ids": "(q_ids (batch, seq_q), k_ids (batch, seq_k)) of int32 tensors",
+    "block_ids": "(q_ids (batch, seq_q), k_ids (batch, seq_k)) of int32 tensors",
+}
 _PAIRED = {half for pair in _PAIRS.values() for half in pair}
 _TENSOR_SLOTS = tuple(i for i, (_, kind, _) in enumerate(_OPTIONS) if kind == "Tensor?")
 # Tensor options with a gradient: when given, attention_bwd returns it after dq, dk, dv, in this order.
@@ -81,7 +86,10 @@ def attention(q, k, v, *, return_lse: bool = False, **options):
         CUDA device; the last dim contiguous (a ``(batch, heads, seq, dim)`` tensor ``.transpose(1, 2)`` is
         fine, with no copy); ``heads % kv_heads == 0``.
       return_lse: also return ``lse (batch, heads, seq_q)`` float32, differentiable.
-      **options: as for ``cuflash.attention`` (``scale``, ``causal``, ``deterministic`` ...).
+      **options: as for ``cuflash.attention`` (``scale``, ``causal``, ``deterministic`` ...):
+        ``window=(left, right)`` (ints or None), ``softcap``, and tensors on q's device: ``alibi_slopes``
+        ``(heads,)`` or ``(batch, heads)`` float32, ``segment_ids`` / ``block_ids`` pairs
+        ``(q_ids (batch, seq_q), k_ids (batch, seq_k))`` int32, which get no gradient.
 
     Returns:
       ``out (batch, seq_q, heads, head_dim_v)`` in q's dtype (contiguous), or ``(out, lse)``.
@@ -131,7 +139,10 @@ def _op_options(options: dict) -> tuple:
     for name, value in options.items():
         if name in _PAIRS:
             if value is not None:
-                values[_PAIRS[name][0]], values[_PAIRS[name][1]] = value
+                try:
+                    values[_PAIRS[name][0]], values[_PAIRS[name][1]] = value
+                except (TypeError, ValueError):
+                    raise TypeError(f"{name} must be a pair {_PAIR_FORMS[name]}, got {value!r}") from None
         elif name in values and name not in _PAIRED:
             values[name] = value
         else:

@@ -34,6 +34,12 @@ kernel forgets to write shows up as NaN, and "no NaN anywhere" is the same check
 
 Inputs are drawn on the host (numpy, seeded from the case id) and copied over, never zeros; nothing
 here needs cuRAND or a bfloat16 cast kernel in CuPy (bf16 <-> f32 goes through the bits).
+
+Options beyond scale and causal (``Problem.window``, ``softcap``, ``alibi``, ``segments``,
+``blocks``; all off by default, and then a problem's id and inputs are what they always were) go to
+cuflash, to the float64 reference and to the naive model alike. ALiBi slopes and segment / block
+ids are drawn with the other inputs (``make_inputs``; ``SEGMENT_KINDS`` / ``BLOCK_KINDS`` say how).
+With masks beyond causal, the rows that see exactly one key are counted from the masks themselves.
 """
 from __future__ import annotations
 
@@ -70,6 +76,21 @@ EAGER_BASELINES = os.environ.get("CUFLASH_TEST_ALL_BASELINES", "0") == "1"
 #: Absolute allowance for dq/dk, in units of the natural scale N, from rows that see one key.
 CANCELLATION_ALLOWANCE = 1e-5
 
+#: How ``Problem.segments`` draws ``segment_ids``. Positions are bottom-right aligned: q's ids are the
+#: last Sq and k's the last Sk entries of one length-max(Sq, Sk) sequence, as causal and window align.
+SEGMENT_KINDS = {
+    "docs": "sorted document ids (packed documents of random lengths), aligned",
+    "random": "unsorted ids 0..3 drawn independently for q and k",
+    "qonly": "docs, plus a run of query rows whose id no key has (those rows see nothing)",
+}
+#: How ``Problem.blocks`` draws ``block_ids`` (attend iff k_id <= q_id).
+BLOCK_KINDS = {
+    "blocks": "nondecreasing block ids (blocks of random lengths), aligned: block-causal attention",
+    "random": "unsorted ids 0..4 drawn independently for q and k",
+}
+#: ``Problem.alibi``: slopes of shape (H,) (the ALiBi paper's geometric ones) or (B, H) (random).
+ALIBI_KINDS = ("h", "bh")
+
 # NaN bit patterns used to poison buffers (quiet NaN of each format).
 _NAN_BITS = {2: (np.uint16, 0x7E00), 4: (np.uint32, 0x7FC00000)}
 _BF16_NAN_BITS = 0x7FC0
@@ -96,6 +117,22 @@ class Problem:
     layout: str = "bshd"  # "bshd" contiguous, "bhsd" (B,H,S,D) viewed as bshd, "padded" rows
     deterministic: bool = False
     dlse: bool = False  # backward also gets a random gradient flowing into lse
+    window: tuple | None = None  # (left, right) sliding window, a side None = unbounded; None = off
+    softcap: float | None = None
+    alibi: str | None = None  # ALIBI_KINDS: slopes (H,) or (B, H); None = off
+    segments: str | None = None  # SEGMENT_KINDS: how segment_ids are drawn; None = off
+    blocks: str | None = None  # BLOCK_KINDS: how block_ids are drawn; None = off
+
+    def __post_init__(self):
+        for name, value, kinds in (("alibi", self.alibi, ALIBI_KINDS),
+                                   ("segments", self.segments, SEGMENT_KINDS),
+                                   ("blocks", self.blocks, BLOCK_KINDS)):
+            if value is not None and value not in kinds:
+                raise ValueError(f"Problem.{name} must be None or one of {tuple(kinds)}, got {value!r}")
+        if self.window is not None:
+            if len(self.window) != 2:
+                raise ValueError(f"Problem.window must be None or (left, right), got {self.window!r}")
+            object.__setattr__(self, "window", tuple(self.window))  # hashable, whatever was passed
 
     @property
     def dv(self) -> int:
@@ -126,6 +163,16 @@ class Problem:
             parts.append("det")
         if self.dlse:
             parts.append("dlse")
+        if self.window is not None:
+            parts.append("win" + "_".join("inf" if side is None else str(side) for side in self.window))
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi is not None:
+            parts.append("alibi" if self.alibi == "h" else "alibiBH")
+        if self.segments is not None:
+            parts.append(f"seg{self.segments}")
+        if self.blocks is not None:
+            parts.append(f"blk{self.blocks}")
         return "-".join(parts)
 
     def __str__(self) -> str:  # hypothesis and assertion messages print this
@@ -283,18 +330,116 @@ class Inputs:
     v: object
     dout: object
     dlse: object  # (B, H, Sq) float32 or None
+    alibi_slopes: object = None  # (H,) or (B, H) float32, or None
+    segment_ids: object = None  # (q_ids (B, Sq), k_ids (B, Sk)) int32, or None
+    block_ids: object = None  # (q_ids (B, Sq), k_ids (B, Sk)) int32, or None
 
 
 def make_inputs(p: Problem, seed: int | None = None) -> Inputs:
-    """Random normal inputs for ``p`` in its dtype and layout, seeded from its id by default."""
-    rng = np.random.default_rng(p.seed if seed is None else seed)
+    """Random normal inputs for ``p`` in its dtype and layout, seeded from its id by default, plus
+    its ALiBi slopes and segment / block ids (from a second stream of the same seed)."""
+    seed = p.seed if seed is None else seed
+    rng = np.random.default_rng(seed)
     dt = p.np_dtype
     q = layout_view(host_normal(rng, (p.B, p.Sq, p.H, p.D)), dt, p.layout)
     k = layout_view(host_normal(rng, (p.B, p.Sk, p.Hkv, p.D)), dt, p.layout)
     v = layout_view(host_normal(rng, (p.B, p.Sk, p.Hkv, p.dv)), dt, p.layout)
     dout = layout_view(host_normal(rng, (p.B, p.Sq, p.H, p.dv)), dt, p.layout)
     dlse = cupy.asarray(host_normal(rng, (p.B, p.H, p.Sq))) if p.dlse else None
-    return Inputs(q, k, v, dout, dlse)
+    x = Inputs(q, k, v, dout, dlse)
+    if p.alibi is not None or p.segments is not None or p.blocks is not None:
+        option_rng = np.random.default_rng([seed, 1])
+        if p.alibi is not None:
+            x.alibi_slopes = cupy.asarray(draw_alibi_slopes(option_rng, p))
+        if p.segments is not None:
+            x.segment_ids = tuple(cupy.asarray(ids) for ids in draw_segment_ids(option_rng, p))
+        if p.blocks is not None:
+            x.block_ids = tuple(cupy.asarray(ids) for ids in draw_block_ids(option_rng, p))
+    return x
+
+
+def draw_alibi_slopes(rng, p: Problem) -> np.ndarray:
+    """float32 slopes: (H,) the ALiBi paper's 2^(-8 (h + 1) / H), or (B, H) uniform in [0, 1)."""
+    if p.alibi == "h":
+        return np.exp2(-8.0 * np.arange(1, p.H + 1) / p.H).astype(np.float32)
+    return rng.uniform(0.0, 1.0, (p.B, p.H)).astype(np.float32)
+
+
+def _aligned(ids: np.ndarray, p: Problem) -> tuple:
+    """(q_ids, k_ids) from (B, max(Sq, Sk)) ids over aligned positions: the last Sq and last Sk."""
+    length = ids.shape[1]
+    return (np.ascontiguousarray(ids[:, length - p.Sq:], dtype=np.int32),
+            np.ascontiguousarray(ids[:, length - p.Sk:], dtype=np.int32))
+
+
+def draw_sorted_ids(rng, batch: int, length: int, max_runs: int = 6) -> np.ndarray:
+    """(batch, length) nondecreasing int32 ids: 2..max_runs runs of random lengths per row (one when
+    length is 1), numbered from a random start and sometimes skipping a number."""
+    rows = []
+    for _ in range(batch):
+        runs = int(rng.integers(min(2, length), min(max_runs, length) + 1)) if length else 0
+        starts = np.zeros(length, np.int64)
+        if runs > 1:
+            starts[rng.choice(np.arange(1, length), runs - 1, replace=False)] = 1
+        steps = starts * rng.integers(1, 3, length)  # a step of 2 leaves an id out
+        rows.append(int(rng.integers(0, 3)) + np.cumsum(steps))
+    return np.stack(rows).astype(np.int32) if rows else np.zeros((0, length), np.int32)
+
+
+def draw_segment_ids(rng, p: Problem) -> tuple:
+    """int32 (q_ids (B, Sq), k_ids (B, Sk)) drawn as SEGMENT_KINDS[p.segments] says."""
+    if p.segments == "random":
+        return (rng.integers(0, 4, (p.B, p.Sq)).astype(np.int32),
+                rng.integers(0, 4, (p.B, p.Sk)).astype(np.int32))
+    q_ids, k_ids = _aligned(draw_sorted_ids(rng, p.B, max(p.Sq, p.Sk)), p)
+    if p.segments == "qonly" and p.Sq:
+        run = max(1, p.Sq // 5)
+        for b in range(p.B):
+            start = int(rng.integers(0, p.Sq - run + 1))
+            q_ids[b, start:start + run] = int(k_ids.max(initial=0)) + 1000  # an id no key has
+    return q_ids, k_ids
+
+
+def draw_block_ids(rng, p: Problem) -> tuple:
+    """int32 (q_ids (B, Sq), k_ids (B, Sk)) drawn as BLOCK_KINDS[p.blocks] says."""
+    if p.blocks == "random":
+        return (rng.integers(0, 5, (p.B, p.Sq)).astype(np.int32),
+                rng.integers(0, 5, (p.B, p.Sk)).astype(np.int32))
+    return _aligned(draw_sorted_ids(rng, p.B, max(p.Sq, p.Sk)), p)
+
+
+def option_kwargs(p: Problem, x: Inputs) -> dict:
+    """The options beyond scale and causal that ``p`` turns on, as keyword arguments (those that are
+    off are left out, so a plain problem makes exactly the call it always made)."""
+    options = {}
+    if p.window is not None:
+        options["window"] = tuple(p.window)
+    if p.softcap is not None:
+        options["softcap"] = p.softcap
+    for name in ("alibi_slopes", "segment_ids", "block_ids"):
+        if getattr(x, name) is not None:
+            options[name] = getattr(x, name)
+    return options
+
+
+def visibility(p: Problem, x: Inputs):
+    """(B, Sq, Sk) bool: which key each query row sees under causal, window and ids (straight from
+    the API's wording: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, ...)."""
+    diagonal = cupy.arange(p.Sq)[:, None] + (p.Sk - p.Sq)  # query i's aligned position
+    j = cupy.arange(p.Sk)[None, :]
+    visible = cupy.ones((p.B, p.Sq, p.Sk), dtype=bool)
+    left, right = (None, None) if p.window is None else p.window
+    if p.causal:
+        visible &= (j <= diagonal)[None]
+    if left is not None:
+        visible &= (j >= diagonal - left)[None]
+    if right is not None:
+        visible &= (j <= diagonal + right)[None]
+    if x.segment_ids is not None:
+        visible &= x.segment_ids[0][:, :, None] == x.segment_ids[1][:, None, :]
+    if x.block_ids is not None:
+        visible &= x.block_ids[1][:, None, :] <= x.block_ids[0][:, :, None]
+    return visible
 
 
 @dataclasses.dataclass
@@ -324,8 +469,9 @@ def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
         dv = nan_buffer(x.v.shape, p.np_dtype, out_layout)
     if stream is not None:  # the poison fills ran on the current stream; `stream` may not wait for it
         cupy.cuda.get_current_stream().synchronize()
+    options = option_kwargs(p, x)
     got_out, got_lse = cuflash.attention_forward(
-        x.q, x.k, x.v, scale=p.scale, causal=p.causal, out=out, lse=lse, stream=stream)
+        x.q, x.k, x.v, scale=p.scale, causal=p.causal, out=out, lse=lse, stream=stream, **options)
     _check_returned("out", got_out, out)
     _check_returned("lse", got_lse, lse)
     result = Result(out, lse)
@@ -333,7 +479,7 @@ def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
         return result
     grads = cuflash.attention_backward(
         x.dout, x.q, x.k, x.v, out, lse, dlse=x.dlse, scale=p.scale, causal=p.causal,
-        deterministic=p.deterministic, dq=dq, dk=dk, dv=dv, stream=stream)
+        deterministic=p.deterministic, dq=dq, dk=dk, dv=dv, stream=stream, **options)
     assert len(grads) == 3, f"attention_backward returned {len(grads)} arrays, expected (dq, dk, dv)"
     for name, got, buf in zip(("dq", "dk", "dv"), grads, (dq, dk, dv), strict=True):
         _check_returned(name, got, buf)
@@ -359,9 +505,11 @@ class Expected:
 
         self._reference = reference
         self._p = p
+        self._options = option_kwargs(p, x)
         self._q, self._k, self._v = to_f64(x.q), to_f64(x.k), to_f64(x.v)
         self.out, self.lse = reference.attention_forward(
-            self._q, self._k, self._v, scale=p.softmax_scale, causal=p.causal, xp=cupy)
+            self._q, self._k, self._v, scale=p.softmax_scale, causal=p.causal, xp=cupy,
+            **self._options)
         self.grads = None
         self._dout = self._dlse = None
         self._naive_fwd = self._naive_bwd = self._residual = None
@@ -370,13 +518,13 @@ class Expected:
             self._dlse = None if x.dlse is None else x.dlse.astype(cupy.float64)
             self.grads = reference.attention_backward(
                 self._dout, self._q, self._k, self._v, dlse=self._dlse, scale=p.softmax_scale,
-                causal=p.causal, xp=cupy)
+                causal=p.causal, xp=cupy, **self._options)
 
     def naive_forward(self):
         if self._naive_fwd is None:
             self._naive_fwd = self._reference.naive_forward(
                 self._q, self._k, self._v, dtype=self._p.dtype_name, scale=self._p.softmax_scale,
-                causal=self._p.causal, xp=cupy)
+                causal=self._p.causal, xp=cupy, **self._options)
         return self._naive_fwd
 
     def residual_grads(self, out, lse):
@@ -391,14 +539,16 @@ class Expected:
             dlse = -shift if self._dlse is None else self._dlse - shift
             self._residual = self._reference.attention_backward(
                 self._dout * c.transpose(0, 2, 1)[..., None], self._q, self._k, self._v,
-                dlse=c * dlse, scale=self._p.softmax_scale, causal=self._p.causal, xp=cupy)
+                dlse=c * dlse, scale=self._p.softmax_scale, causal=self._p.causal, xp=cupy,
+                **self._options)
         return self._residual
 
     def naive_grads(self):
         if self._naive_bwd is None:
             self._naive_bwd = self._reference.naive_backward(
                 self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name,
-                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, xp=cupy)
+                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, xp=cupy,
+                **self._options)
         return self._naive_bwd
 
 
@@ -506,15 +656,21 @@ def check_forward(report: Report, p: Problem, r: Result, e: Expected):
                     {"naive": naive_lse}, p.dtype, floor=LSE_FLOOR[p.dtype])
 
 
-def one_key_rows(p: Problem) -> int:
+def one_key_rows(p: Problem, x: Inputs | None = None) -> float:
     """Query rows (per batch and head) that see exactly one key: their softmax is exactly one-hot,
-    so their exact dq and their share of dk are 0 while FlashAttention leaves rounding noise."""
+    so their exact dq and their share of dk are 0 while FlashAttention leaves rounding noise.
+    With a window or ids (these need ``x``) they are counted from the masks, averaged over the
+    batch."""
+    if p.window is not None or (x is not None and (x.segment_ids is not None or x.block_ids is not None)):
+        if p.B == 0:
+            return 0
+        return int(cupy.count_nonzero(visibility(p, x).sum(axis=-1) == 1)) / p.B
     if p.Sk == 1:
         return 1 if p.causal else p.Sq
     return 1 if p.causal and p.Sq >= p.Sk else 0  # causal row Sq - Sk sees only key 0
 
 
-def cancellation_allowance(p: Problem, x: Inputs, rows: int) -> dict:
+def cancellation_allowance(p: Problem, x: Inputs, rows: float) -> dict:
     """Absolute allowance for dq and dk from ``rows`` one-hot rows per (batch, head):
     CANCELLATION_ALLOWANCE * |scale| * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H)."""
     if rows == 0:
@@ -530,7 +686,7 @@ def check_backward(report: Report, p: Problem, x: Inputs, r: Result, e: Expected
     on dq and dk (module docstring); ``degenerate=True`` gives it to every row (one-hot softmax
     everywhere, e.g. huge logits). Names in ``finite_only`` (ill-conditioned by construction) are
     only checked to be written and finite."""
-    allowances = cancellation_allowance(p, x, p.Sq if degenerate else one_key_rows(p))
+    allowances = cancellation_allowance(p, x, p.Sq if degenerate else one_key_rows(p, x))
     for name in ("dq", "dk", "dv"):
         got = check_written(report, name, getattr(r, name))
         if name in finite_only or not bool(cupy.all(cupy.isfinite(got))):

@@ -126,8 +126,10 @@ def test_cpu_arrays_and_bad_arguments_still_refused_after_caching(gpu):
         cuflash.attention_forward(q, k, v, stream="default")
     with pytest.raises(TypeError, match="scale must be a number"):
         cuflash.attention_forward(q, k, v, scale=[1.0])
-    with pytest.raises(NotImplementedError, match="softcap= is not implemented"):
-        cuflash.attention_forward(q, k, v, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="bias= is not implemented"):
+        cuflash.attention_forward(q, k, v, bias=q)
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        cuflash.attention_forward(q, k, v, softcap=-30.0)
 
 
 def test_backward_hit_matches_the_validating_path(gpu, checks):

@@ -2,8 +2,9 @@
 
 Each example draws B, Sq, Sk (1..600, mostly small), H and a dividing Hkv, D (a multiple of 8 up to
 256), Dv (usually D), dtype, causal, scale (mostly positive, sometimes zero or negative), layout (contiguous, (B,H,S,D) viewed as bshd, or padded
-rows), deterministic and an optional dlse, then holds cuflash to the rule in gpu_utils' docstring,
-writing into NaN-poisoned buffers.
+rows), deterministic and an optional dlse; then, each with its own probability and freely combined,
+a sliding window, a softcap, ALiBi slopes, segment ids and block ids (``OPTION_ODDS``). It holds
+cuflash to the rule in gpu_utils' docstring, writing into NaN-poisoned buffers.
 
 - Short mode (default): 100 derandomized examples, the same ones every run (~10-20 s).
 - Long mode: ``CUFLASH_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz_gpu.py`` draws that many
@@ -35,7 +36,9 @@ EXAMPLES = int(os.environ.get("CUFLASH_FUZZ_EXAMPLES") or 0)
 LONG_MODE = EXAMPLES > 0
 SHORT_EXAMPLES = 100
 
-_stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "seconds": 0.0}
+_stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "by_option": collections.Counter(),
+          "seconds": 0.0}
+_OPTIONS = ("window", "softcap", "alibi", "segments", "blocks")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,11 +52,13 @@ def _fuzz_session(request):
         "cases": _stats["cases"],
         "failed_cases": _stats["failed"],
         "by_dtype": dict(_stats["by_dtype"]),
+        "by_option": dict(_stats["by_option"]),
         "seconds": round(_stats["seconds"], 1),
     }
     gu.report_line(request.config, f"\ncuflash fuzz: {summary['cases']} cases run "
                                    f"({summary['failed_cases']} failed, {summary['mode']} mode, "
-                                   f"{summary['seconds']} s) {summary['by_dtype']}")
+                                   f"{summary['seconds']} s) {summary['by_dtype']} "
+                                   f"options: {summary['by_option']}")
     path = os.environ.get("CUFLASH_FUZZ_REPORT")
     if path:
         with open(path, "w") as handle:
@@ -66,6 +71,19 @@ def _divisors(n: int) -> list:
 
 # Mostly short sequences (fast, and where the tail-tile bugs live), sometimes up to 600.
 LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600))
+
+
+#: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
+#: none, the short mode's 100 included; the session summary prints how many used each).
+OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5}
+# A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.
+WINDOW_SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 600))
+
+
+def _maybe(draw, name: str, strategy):
+    """``strategy``'s value in about 1 of OPTION_ODDS[name] examples, else None (shrinks to None)."""
+    odds = OPTION_ODDS[name]
+    return draw(strategy) if draw(st.integers(0, odds - 1)) == odds - 1 else None
 
 
 @st.composite
@@ -94,6 +112,12 @@ def problems(draw):
         layout=draw(st.sampled_from(("bshd", "bshd", "bshd", "bhsd", "padded"))),
         deterministic=draw(st.booleans()),
         dlse=draw(st.integers(0, 4)) == 0,
+        window=_maybe(draw, "window", st.tuples(WINDOW_SIDES, WINDOW_SIDES)),
+        # caps from strongly bending (logits of std ~1 .. 2.5) to nearly the identity
+        softcap=_maybe(draw, "softcap", st.floats(0.5, 50.0).map(lambda c: round(c, 2))),
+        alibi=_maybe(draw, "alibi", st.sampled_from(gu.ALIBI_KINDS)),
+        segments=_maybe(draw, "segments", st.sampled_from(tuple(gu.SEGMENT_KINDS))),
+        blocks=_maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS))),
     )
 
 
@@ -110,6 +134,7 @@ def test_fuzz_against_reference(p):
     note(f"problem: {p.id}")
     _stats["cases"] += 1
     _stats["by_dtype"][p.dtype] += 1
+    _stats["by_option"].update(name for name in _OPTIONS if getattr(p, name) is not None)
     start = time.perf_counter()
     try:
         gu.check_attention(p)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import reference
 
 
 def _run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -60,6 +61,7 @@ def _np(x) -> np.ndarray:
     if hasattr(x, "numpy") and hasattr(x, "data_ptr"):  # a torch tensor
         import torch
 
+        x = x.detach()  # shares the storage: writes still go through
         if x.dtype == torch.bfloat16:
             import ml_dtypes
 
@@ -114,46 +116,92 @@ def reference_backward(dout, q, k, v, out, *, dlse=None, scale=None, causal=Fals
     return dq, dk, dv, ds
 
 
+# The core's options the adapters forward: every one the FakeCore computes (through cuflash.reference);
+# the array-valued ones, and the pairs of arrays, are buffers the core reads.
+CORE_OPTIONS = ("window", "softcap", "bias", "alibi_slopes", "segment_ids", "block_ids")
+
+
+def _host(value):
+    """An option's value as the core saw it: buffers as NumPy copies, pairs as tuples, constants as they are."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_host(item) for item in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _np(value).copy()
+
+
+def _meta(value):
+    """An option's value as a metadata-only entry point (prepare, backward_workspace) may read it:
+    (shape, dtype) of arrays, which are tracers or fake tensors there."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_meta(item) for item in value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return tuple(value.shape), str(value.dtype).replace("torch.", "")
+    return value
+
+
 class FakeCore:
-    """Stands in for cuflash's attention_forward / attention_backward / prepare / backward_workspace."""
+    """Stands in for cuflash's attention_forward / attention_backward / prepare / backward_workspace,
+    computing with the float64 ``cuflash.reference``. ``calls`` logs (entry point, q's shape, ...);
+    ``options`` logs (entry point, the options it got: arrays as NumPy copies, or (shape, dtype) where
+    only metadata is promised)."""
 
     def __init__(self):
         self.calls = []
+        self.options = []
 
     @staticmethod
-    def _check_options(options):  # like the core: kernel-picking options only (bias: the array-option slot)
-        if set(options) - {"bias"}:
-            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(set(options) - {'bias'}))}")
+    def _check_options(options):  # like the core: unknown keywords are an error
+        unknown = set(options) - set(CORE_OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+
+    def options_of(self, kind: str) -> list:
+        return [options for name, options in self.options if name == kind]
 
     def prepare(self, q, k, v, *, causal=False, deterministic=False, backward=True, scale=None, **options):
         self._check_options(options)
         self.calls.append(("prepare", tuple(q.shape), backward))
+        self.options.append(("prepare", {"causal": causal, "backward": backward,
+                                         **{n: _meta(x) for n, x in options.items()}}))
 
-    def backward_workspace(self, q, k, v, *, causal=False, deterministic=False, scale=None, **options):
-        self._check_options(options)
+    @staticmethod
+    def _workspace(q):
         batch, seq_q, heads, head_dim = q.shape
         # One scratch that scales with the batch and one that does not: both must reach the backward whole.
         return {"dq_accum": (batch, seq_q, heads, head_dim), "semaphores": (heads, 3)}
 
+    def backward_workspace(self, q, k, v, *, causal=False, deterministic=False, scale=None, **options):
+        self._check_options(options)
+        self.options.append(("backward_workspace", {"causal": causal,
+                                                    **{n: _meta(x) for n, x in options.items()}}))
+        return self._workspace(q)
+
     def attention_forward(self, q, k, v, *, out, lse, scale=None, causal=False, deterministic=False,
-                          bias=None, stream=None):
+                          stream=None, **options):
+        self._check_options(options)
+        options = {name: _host(value) for name, value in options.items()}
         self.calls.append(("forward", tuple(q.shape)))
-        result, row_lse, *_ = reference_forward(_f64(q), _f64(k), _f64(v), scale=scale, causal=causal,
-                                                bias=_f64(bias))
+        self.options.append(("forward", {"scale": scale, "causal": causal, **options}))
+        result, row_lse = reference.attention_forward(_f64(q), _f64(k), _f64(v), scale=scale, causal=causal,
+                                                      **options)
         _np(out)[...] = result
         _np(lse)[...] = row_lse
 
     def attention_backward(self, dout, q, k, v, out, lse, *, dlse=None, dq, dk, dv, workspace, scale=None,
-                           causal=False, deterministic=False, bias=None, dbias=None, stream=None):
+                           causal=False, deterministic=False, dbias=None, stream=None, **options):
+        self._check_options(options)
+        options = {name: _host(value) for name, value in options.items()}
         self.calls.append(("backward", tuple(q.shape), dlse is not None))
-        expected = self.backward_workspace(q, k, v)
-        assert {name: _np(w).shape for name, w in workspace.items()} == expected
+        self.options.append(("backward", {"scale": scale, "causal": causal, **options}))
+        assert {name: _np(w).shape for name, w in workspace.items()} == self._workspace(q)
         assert all(_np(w).dtype == np.float32 for w in workspace.values())
-        grads = reference_backward(_f64(dout), _f64(q), _f64(k), _f64(v), _f64(out), dlse=_f64(dlse),
-                                   scale=scale, causal=causal, bias=_f64(bias))
-        for buffer, value in zip((dq, dk, dv, dbias), grads):
+        grads = reference.attention_backward(_f64(dout), _f64(q), _f64(k), _f64(v), dlse=_f64(dlse),
+                                             scale=scale, causal=causal, **options)
+        assert (dbias is None) == ("dbias" not in grads)
+        for buffer, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"), (dbias, "dbias")):
             if buffer is not None:
-                _np(buffer)[...] = value
+                _np(buffer)[...] = grads[name]
 
     def install(self, monkeypatch):
         for name in ("prepare", "backward_workspace", "attention_forward", "attention_backward"):
@@ -371,6 +419,182 @@ def test_jax_array_options_are_operands(jax_core):
         cfj.attention(q, k, v, window=[{}, None])
 
 
+def _option_arrays(batch=2, seq_q=5, seq_k=7, heads=4, seed=4):
+    """NumPy values for the array options: slopes (H,) and (B, H), segment and block ids (sorted, so that
+    documents and blocks are runs, with rows that see no key under some combinations)."""
+    rng = np.random.default_rng(seed)
+
+    def ids(seq):
+        return np.sort(rng.integers(0, 3, (batch, seq)), axis=1).astype(np.int32)
+
+    return {
+        "slopes": rng.uniform(0.1, 1.0, heads).astype(np.float32),
+        "batch_slopes": rng.uniform(0.1, 1.0, (batch, heads)).astype(np.float32),
+        "segment_ids": (ids(seq_q), ids(seq_k)),
+        "block_ids": (ids(seq_q), ids(seq_k)),
+    }
+
+
+# Option sets the adapters must forward, by name: static ones as values, array ones by _option_arrays key.
+OPTION_CASES = {
+    "window_causal": {"causal": True, "window": (3, None)},
+    "window_both": {"window": (2, 1)},
+    "softcap_alibi": {"softcap": 2.5, "alibi_slopes": "slopes"},
+    "batch_alibi": {"alibi_slopes": "batch_slopes", "window": (None, 0)},
+    "segment_ids": {"segment_ids": "segment_ids"},
+    "block_ids": {"block_ids": "block_ids", "scale": 0.4},
+    "everything": {"causal": True, "window": (4, None), "softcap": 3.0, "alibi_slopes": "batch_slopes",
+                   "segment_ids": "segment_ids", "block_ids": "block_ids"},
+}
+
+
+def _case_options(case: str, arrays: dict, to_array) -> dict:
+    """The options of OPTION_CASES[case], array values made with ``to_array`` (pairs stay pairs)."""
+    options = {}
+    for name, value in OPTION_CASES[case].items():
+        if isinstance(value, str):
+            value = arrays[value]
+            value = tuple(to_array(x) for x in value) if isinstance(value, tuple) else to_array(value)
+        options[name] = value
+    return options
+
+
+def _assert_options_equal(seen: dict, expected: dict):
+    """The options a core entry point got (``_host`` form) against the ones the test passed."""
+    expected = {name: _host(value) for name, value in expected.items() if name != "causal"}
+    assert set(seen) - {"scale", "causal"} == set(expected) - {"scale"}, (sorted(seen), sorted(expected))
+    for name, value in expected.items():
+        got = seen[name]
+        if isinstance(value, tuple) and value and isinstance(value[0], np.ndarray):
+            assert len(got) == len(value)
+            for g, e in zip(got, value):
+                np.testing.assert_array_equal(g, e)
+                assert g.dtype == e.dtype
+        elif isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(got, value)
+            assert got.dtype == value.dtype
+        else:
+            assert got == value and type(got) is type(value), (name, got, value)
+
+
+def _reference_out_and_grads(q, k, v, dout, options):
+    """float64 out and (dq, dk, dv) of cuflash.reference for options that may hold framework arrays."""
+    host = {name: _host(value) for name, value in options.items()}
+    f64 = [_f64(x) for x in (q, k, v)]
+    out, _ = reference.attention_forward(*f64, **host)
+    grads = reference.attention_backward(_f64(dout), *f64, **host)
+    return out, (grads["dq"], grads["dk"], grads["dv"])
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_jax_options_reach_the_core(jax_core, case):
+    """window / softcap static, alibi_slopes / segment_ids / block_ids operands: each reaches prepare,
+    backward_workspace, the forward and the backward with its value, under jit and grad; the arrays get
+    zero cotangents."""
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 4, 8)), jnp.float32)
+    options = _case_options(case, _option_arrays(), jnp.asarray)
+    arrays = {n: x for n, x in options.items() if n in ("alibi_slopes", "segment_ids", "block_ids")}
+    static = {n: x for n, x in options.items() if n not in arrays}
+
+    def loss(q, k, v, arrays):
+        return jnp.sum(cfj.attention(q, k, v, **static, **arrays) * w)
+
+    out = jax.jit(lambda q, k, v, arrays: cfj.attention(q, k, v, **static, **arrays))(q, k, v, arrays)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, arrays)
+    ref_out, ref_grads = _reference_out_and_grads(q, k, v, w, options)
+    _close(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r)
+
+    for kind in ("forward", "backward"):
+        seen = jax_core.options_of(kind)
+        assert seen, kind
+        for each in seen:
+            _assert_options_equal(each, options)
+    meta = {n: _meta(x) for n, x in arrays.items()}
+    for kind in ("prepare", "backward_workspace"):
+        for each in jax_core.options_of(kind):
+            assert {n: each[n] for n in meta} == meta
+            assert {n: each[n] for n in static if n != "scale"} == {n: x for n, x in static.items() if n != "scale"}
+    assert {each["backward"] for each in jax_core.options_of("prepare")} == {False, True}
+
+    if "alibi_slopes" in arrays:  # differentiable dtype, but no gradient: a zero cotangent
+        d_slopes = jax.grad(lambda s: loss(q, k, v, {**arrays, "alibi_slopes": s}))(arrays["alibi_slopes"])
+        assert d_slopes.shape == arrays["alibi_slopes"].shape and not np.any(np.asarray(d_slopes))
+
+
+def test_jax_vmap_folds_array_options_into_batch(jax_core):
+    """vmap with slopes and ids, mapped or not: one launch over the folded batch, each element attending
+    with its own ids and slopes; gradients through the vmap fold the same way."""
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    n, batch, heads = 3, 2, 4
+    q, k, v = _qkv(batch=n * batch)
+    qs, ks, vs = (x.reshape(n, batch, *x.shape[1:]) for x in (q, k, v))
+    per = [_option_arrays(seed=10 + i) for i in range(n)]  # the options of each element of the mapped axis
+
+    def stack(key, j=None):  # the mapped-axis stack of one option (or of one half of a pair)
+        return jnp.asarray(np.stack([p[key] if j is None else p[key][j] for p in per]))
+
+
+    cases = {  # name: (options of element i, vmapped options, their in_axes)
+        "shared (H,) slopes": (lambda i: {"alibi_slopes": per[0]["slopes"]},
+                               {"alibi_slopes": jnp.asarray(per[0]["slopes"])}, {"alibi_slopes": None}),
+        "mapped (H,) slopes": (lambda i: {"alibi_slopes": per[i]["slopes"]},
+                               {"alibi_slopes": stack("slopes")}, {"alibi_slopes": 0}),
+        "shared (B, H) slopes": (lambda i: {"alibi_slopes": per[0]["batch_slopes"]},
+                                 {"alibi_slopes": jnp.asarray(per[0]["batch_slopes"])}, {"alibi_slopes": None}),
+        "mapped (B, H) slopes, mapped segment ids": (
+            lambda i: {"alibi_slopes": per[i]["batch_slopes"], "segment_ids": per[i]["segment_ids"]},
+            {"alibi_slopes": stack("batch_slopes"),
+             "segment_ids": (stack("segment_ids", 0), stack("segment_ids", 1))},
+            {"alibi_slopes": 0, "segment_ids": (0, 0)}),
+        "shared segment ids": (lambda i: {"segment_ids": per[0]["segment_ids"]},
+                               {"segment_ids": tuple(jnp.asarray(x) for x in per[0]["segment_ids"])},
+                               {"segment_ids": None}),
+        "mapped q block ids, shared k block ids": (
+            lambda i: {"block_ids": (per[i]["block_ids"][0], per[0]["block_ids"][1])},
+            {"block_ids": (stack("block_ids", 0), jnp.asarray(per[0]["block_ids"][1]))},
+            {"block_ids": (0, None)}),
+    }
+    for name, (element_options, arrays, axes) in cases.items():
+        jax_core.calls.clear()
+        jax_core.options.clear()
+        attend = jax.jit(jax.vmap(lambda q, k, v, arrays: cfj.attention(q, k, v, causal=True, **arrays),
+                                  in_axes=(0, 0, 0, axes)))
+        out = attend(qs, ks, vs, arrays)
+        assert [c for c in jax_core.calls if c[0] == "forward"] == [("forward", (n * batch, 5, 4, 8))], name
+        slopes = jax_core.options_of("forward")[0].get("alibi_slopes")
+        if slopes is not None:  # shared (H,) slopes stay (H,); others follow the folded batch
+            assert slopes.shape == ((heads,) if name == "shared (H,) slopes" else (n * batch, heads)), name
+
+        def loss(q, arrays):
+            return jnp.sum(jnp.cos(jax.vmap(lambda q, k, v, arrays: cfj.attention(q, k, v, causal=True, **arrays),
+                                            in_axes=(0, 0, 0, axes))(q, ks, vs, arrays)))
+
+        dq = jax.jit(jax.grad(loss))(qs, arrays)
+        assert ("backward", (n * batch, 5, 4, 8), False) in jax_core.calls, name
+        for i in range(n):
+            options = {"causal": True, **element_options(i)}
+            dout = -np.sin(_reference_out_and_grads(qs[i], ks[i], vs[i], np.zeros((batch, 5, 4, 8)), options)[0])
+            ref_out, ref_grads = _reference_out_and_grads(qs[i], ks[i], vs[i], dout, options)
+            _close(out[i], ref_out)
+            _close(dq[i], ref_grads[0])
+
+    # With bias too, vmap maps one element at a time (bias's batch dim cannot follow the fold).
+    jax_core.calls.clear()
+    bias = jnp.zeros((batch, 4, 5, 7), jnp.float32)
+    jax.vmap(lambda q: cfj.attention(q, ks[0], vs[0], bias=bias, alibi_slopes=jnp.asarray(per[0]["slopes"])))(qs)
+    assert [c for c in jax_core.calls if c[0] == "forward"] == [("forward", (batch, 5, 4, 8))] * n
+
+
 def test_jax_shard_map_over_two_cpu_devices():
     if importlib.util.find_spec("jax") is None:
         pytest.skip("jax is not installed")
@@ -438,7 +662,9 @@ def test_torch_fake_shapes_on_meta(cft):
     q = torch.empty(2, 5, 4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     k = torch.empty(2, 7, 2, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     v = torch.empty(2, 7, 2, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    out, lse = cft.attention(q, k, v, return_lse=True, causal=True, window=(3, None))
+    ids = (torch.empty(2, 5, dtype=torch.int32, device="meta"), torch.empty(2, 7, dtype=torch.int32, device="meta"))
+    out, lse = cft.attention(q, k, v, return_lse=True, causal=True, window=(3, None), softcap=4.0,
+                             alibi_slopes=torch.empty(4, device="meta"), segment_ids=ids, block_ids=ids)
     assert (out.shape, out.dtype, out.device.type) == ((2, 5, 4, 8), torch.bfloat16, "meta")
     assert (lse.shape, lse.dtype) == ((2, 4, 5), torch.float32)
     (out.sum() + lse.sum()).backward()
@@ -465,6 +691,19 @@ def test_torch_options_map_onto_the_ops(cft):
     flat = cft._op_options({"causal": True, "window": (None, 4), "scale": 0.5})
     assert cft._core_options(flat) == {"causal": True, "window": (None, 4), "scale": 0.5}
     assert cft._core_options(cft._op_options({})) == {}
+    assert cft._op_options({}) is cft._DEFAULT_OP_OPTIONS  # the no-option path builds nothing
+    # Pairs of tensors take two Tensor? slots and come back to the core as pairs; slopes as they are.
+    q_ids, k_ids, slopes = torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, 7, dtype=torch.int32), torch.ones(4)
+    flat = cft._op_options({"segment_ids": (q_ids, k_ids), "block_ids": [k_ids, q_ids], "alibi_slopes": slopes,
+                            "softcap": 5.0, "window": (2, None)})
+    core = cft._core_options(flat)
+    assert set(core) == {"segment_ids", "block_ids", "alibi_slopes", "softcap", "window"}
+    assert core["segment_ids"][0] is q_ids and core["segment_ids"][1] is k_ids
+    assert core["block_ids"][0] is k_ids and core["block_ids"][1] is q_ids
+    assert core["alibi_slopes"] is slopes and core["softcap"] == 5.0 and core["window"] == (2, None)
+    assert cft._core_options(cft._op_options({"window": (None, None)})) == {}
+    with pytest.raises(TypeError, match="window must be a pair"):
+        cft._op_options({"window": 3})
     with pytest.raises(TypeError, match="unknown option 'casual'"):
         cft.attention(torch.empty(0), torch.empty(0), torch.empty(0), casual=True)
 
@@ -548,3 +787,71 @@ def test_torch_compile_fullgraph_matches_eager(cft, torch_core):
     torch.testing.assert_close(out_c, out)
     for x, g in zip((q, k, v), eager):
         torch.testing.assert_close(x.grad, g)
+
+
+def _torch_case(case: str) -> dict:
+    import torch
+
+    return _case_options(case, _option_arrays(), torch.from_numpy)
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_torch_options_reach_the_core(cft, torch_core, case):
+    """Each option reaches the forward, backward_workspace and the backward with its value (tensors as the
+    tensors given), through autograd; slopes that require grad get none."""
+    import torch
+
+    q, k, v = _torch_qkv(torch.float32)
+    options = _torch_case(case)
+    if "alibi_slopes" in options:
+        options["alibi_slopes"] = options["alibi_slopes"].clone().requires_grad_()
+    out, lse = cft.attention(q, k, v, return_lse=True, **options)
+    w = torch.randn(out.shape, dtype=torch.float32, generator=torch.Generator().manual_seed(5))
+    (out * w).sum().backward()
+
+    ref_out, ref_grads = _reference_out_and_grads(q, k, v, w, options)
+    torch.testing.assert_close(out.double(), torch.from_numpy(ref_out), rtol=1e-5, atol=1e-5)
+    for x, expected in zip((q, k, v), ref_grads):
+        torch.testing.assert_close(x.grad.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+    if "alibi_slopes" in options:
+        assert options["alibi_slopes"].grad is None
+
+    for kind in ("forward", "backward"):
+        (seen,) = torch_core.options_of(kind)
+        _assert_options_equal(seen, options)
+    (workspace,) = torch_core.options_of("backward_workspace")
+    assert {n: workspace[n] for n in workspace if n != "causal"} == {
+        n: _meta(x) for n, x in options.items() if n not in ("causal", "scale")}
+
+
+def test_torch_options_under_compile_and_opcheck(cft, torch_core):
+    """Every option at once through torch.compile(fullgraph=True) (forward and backward) and opcheck."""
+    import torch
+
+    options = _torch_case("everything")
+
+    def step(q, k, v):
+        out, lse = cft.attention(q, k, v, return_lse=True, **options)
+        return out.square().sum() + lse.clamp(min=-1e4).sum(), out
+
+    q, k, v = _torch_qkv(torch.float32)
+    loss, out = step(q, k, v)
+    loss.backward()
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c, out_c = compiled(q, k, v)
+    loss_c.backward()
+    torch.testing.assert_close(out_c, out)
+    for x, g in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, g)
+    for each in torch_core.options_of("forward") + torch_core.options_of("backward"):
+        _assert_options_equal(each, options)
+
+    op_options = cft._op_options(options)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, *op_options))
+    with torch.no_grad():
+        out, lse = cft.attention(q, k, v, return_lse=True, **options)
+    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, *op_options))

@@ -236,3 +236,58 @@ def test_rows_that_see_no_key_in_jit(dtype):
         assert np.isfinite(g64).all(), f"{name} has non-finite entries"
         assert np.abs(g64 - ref[name]).max() < 1e-2 * (np.abs(ref[name]).max() + 1.0), name
     assert (_f64(grads[0])[:, :776] == 0).all(), "dq of rows that see no key is not 0"
+
+
+def _option_cases(batch, seq_q, seq_k, heads, seed=3):
+    """window + causal, softcap + ALiBi, segment ids, block ids: NumPy values for the array options
+    (the same cases as test_interop_torch_gpu.py, so the two share compiled kernels)."""
+    rng = np.random.default_rng(seed)
+
+    def ids(seq):  # sorted: documents / blocks are runs; some query rows see no key
+        return np.sort(rng.integers(0, 3, (batch, seq)), axis=1).astype(np.int32)
+
+    return {
+        "window_causal": {"causal": True, "window": (16, None)},
+        "softcap_alibi": {"softcap": 2.0, "alibi_slopes": 2.0 ** -np.arange(1, heads + 1, dtype=np.float32)},
+        "segment_ids": {"segment_ids": (ids(seq_q), ids(seq_k))},
+        "block_ids": {"block_ids": (ids(seq_q), ids(seq_k))},
+    }
+
+
+def test_options_forward_and_grads_in_jit():
+    """window, softcap, alibi_slopes, segment_ids and block_ids through one jitted step (forward and
+    gradients of each case), bf16 at odd sizes, against the float64 reference."""
+    shape = dict(batch=2, seq_q=37, seq_k=53, heads=4, kv_heads=2, head_dim=40)
+    q, k, v, w = _inputs(jnp.bfloat16, **shape, seed=4)
+    cases = _option_cases(2, 37, 53, 4)
+    static = {name: {n: x for n, x in opts.items() if not _is_array_option(x)} for name, opts in cases.items()}
+    arrays = {name: {n: jax.tree.map(jnp.asarray, x) for n, x in opts.items() if _is_array_option(x)}
+              for name, opts in cases.items()}
+
+    @jax.jit
+    def step(q, k, v, w, arrays):
+        results = {}
+        for name in cases:
+            def loss(q, k, v):
+                out = cfj.attention(q, k, v, **static[name], **arrays[name])
+                return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            results[name] = (out, grads)
+        return results
+
+    results = step(q, k, v, w, arrays)
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    for name, options in cases.items():
+        out, grads = results[name]
+        ref_out, _ = reference.attention_forward(q64, k64, v64, **options)
+        ref = reference.attention_backward(_f64(w), q64, k64, v64, **options)
+        assert out.dtype == jnp.bfloat16
+        assert _error(out, ref_out) < TOLERANCE[jnp.bfloat16], name
+        for grad_name, g in zip(("dq", "dk", "dv"), grads):
+            assert g.dtype == jnp.bfloat16
+            assert np.isfinite(_f64(g)).all(), (name, grad_name)
+            assert _error(g, ref[grad_name]) < TOLERANCE[jnp.bfloat16], (name, grad_name)
+
+
+def _is_array_option(value) -> bool:
+    return isinstance(value, np.ndarray) or (isinstance(value, tuple) and isinstance(value[0], np.ndarray))

@@ -242,3 +242,60 @@ def test_rows_that_see_no_key_on_reused_memory(dtype):
         scale = float(np.abs(ref[name]).max()) + 1.0
         assert float((x.grad.double().cpu() - torch.from_numpy(ref[name])).abs().max()) < 1e-2 * scale, name
     assert bool((q.grad[:, :776] == 0).all()), "dq of rows that see no key is not 0"
+
+
+def _option_cases(batch, seq_q, seq_k, heads, seed=3):
+    """window + causal, softcap + ALiBi, segment ids, block ids (the cases of test_interop_jax_gpu.py,
+    so the two share compiled kernels; the slopes here are per batch element, (B, H))."""
+    rng = np.random.default_rng(seed)
+
+    def ids(seq):  # sorted: documents / blocks are runs; some query rows see no key
+        return torch.from_numpy(np.sort(rng.integers(0, 3, (batch, seq)), axis=1).astype(np.int32)).cuda()
+
+    slopes = 2.0 ** -np.arange(1, heads + 1, dtype=np.float32)
+    slopes = np.stack([slopes, slopes[::-1]])[:batch].copy()
+    return {
+        "window_causal": {"causal": True, "window": (16, None)},
+        "softcap_alibi": {"softcap": 2.0, "alibi_slopes": torch.from_numpy(slopes).cuda()},
+        "segment_ids": {"segment_ids": (ids(seq_q), ids(seq_k))},
+        "block_ids": {"block_ids": (ids(seq_q), ids(seq_k))},
+    }
+
+
+def _host_options(options: dict) -> dict:
+    def host(x):
+        if isinstance(x, tuple):
+            return tuple(host(item) for item in x)
+        return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+    return {name: host(value) for name, value in options.items()}
+
+
+def test_options_under_compile_fullgraph():
+    """window, softcap, alibi_slopes, segment_ids and block_ids in one torch.compile(fullgraph=True) step
+    (forward and backward of each case, on leaves of its own), bf16 at odd sizes, against float64."""
+    q, k, v, dout = _inputs(torch.bfloat16, batch=2, seq_q=37, seq_k=53, heads=4, kv_heads=2, head_dim=40,
+                            seed=4, requires_grad=False)
+    cases = _option_cases(2, 37, 53, 4)
+    leaves = {name: [x.clone().requires_grad_() for x in (q, k, v)] for name in cases}
+
+    def step(leaves, dout):
+        outs, loss = {}, 0
+        for name, (q_, k_, v_) in leaves.items():
+            outs[name] = cft.attention(q_, k_, v_, **cases[name])
+            loss = loss + (outs[name].float() * dout.float()).sum()
+        return loss, outs
+
+    loss, outs = torch.compile(step, fullgraph=True)(leaves, dout)
+    loss.backward()
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    for name, options in cases.items():
+        options = _host_options(options)
+        ref_out, _ = reference.attention_forward(q64, k64, v64, **options)
+        ref = reference.attention_backward(_f64(dout), q64, k64, v64, **options)
+        assert outs[name].dtype == torch.bfloat16
+        assert _error(outs[name], ref_out) < TOLERANCE[torch.bfloat16], name
+        for grad_name, x in zip(("dq", "dk", "dv"), leaves[name]):
+            assert x.grad.dtype == torch.bfloat16
+            assert bool(torch.isfinite(x.grad).all()), (name, grad_name)
+            assert _error(x.grad, ref[grad_name]) < TOLERANCE[torch.bfloat16], (name, grad_name)

@@ -385,6 +385,143 @@ def test_naive_masked_rows_are_zero():
     assert np.all(grads["dq"][:, :2] == 0) and not np.isnan(grads["dk"]).any()
 
 
+def _doc_ids(rng, batch, sq, sk, docs):
+    """Sorted document ids, q's being the last Sq positions of the length-max(Sq, Sk) sequence whose
+    last Sk positions are k's (the bottom-right alignment causal and window use)."""
+    length = max(sq, sk)
+    ids = np.sort(rng.integers(0, docs, size=(batch, length)), axis=1).astype(np.int32)
+    return np.ascontiguousarray(ids[:, length - sq:]), np.ascontiguousarray(ids[:, length - sk:])
+
+
+# id -> (dims, options(rng)); every option of the naive model, alone and combined
+NAIVE_OPTION_CASES = {
+    "window": (_dims(Sq=37, Sk=53, H=4, Hkv=2, D=16, Dv=8), lambda rng: {"window": (5, 3)}),
+    "window_left_only": (_dims(Sq=53, Sk=37, H=4, Hkv=2, D=16, Dv=8),
+                         lambda rng: {"window": (6, None)}),
+    "window_zero_sq_gt_sk": (_dims(Sq=53, Sk=37, H=2, Hkv=1, D=16, Dv=8),
+                             lambda rng: {"window": (0, 0)}),
+    "causal_window": (_dims(Sq=53, Sk=37, H=4, Hkv=1, D=16, Dv=8),
+                      lambda rng: {"causal": True, "window": (7, 4)}),
+    "softcap": (_dims(Sq=37, Sk=53, H=4, Hkv=2, D=16, Dv=8),
+                lambda rng: {"softcap": 1.5, "scale": 0.8}),
+    "alibi_heads": (_dims(Sq=37, Sk=53, H=4, Hkv=2, D=16, Dv=8),
+                    lambda rng: {"alibi_slopes": rng.random(4).astype(np.float32)}),
+    "alibi_batch_heads": (_dims(Sq=53, Sk=37, H=4, Hkv=4, D=16, Dv=8),
+                          lambda rng: {"alibi_slopes": rng.random((2, 4)).astype(np.float32)}),
+    "segment_ids": (_dims(Sq=37, Sk=53, H=4, Hkv=2, D=16, Dv=8),
+                    lambda rng: {"segment_ids": _doc_ids(rng, 2, 37, 53, 4)}),
+    "block_ids": (_dims(Sq=53, Sk=37, H=4, Hkv=2, D=16, Dv=8),
+                  lambda rng: {"block_ids": (_ids(rng, 2, 53, 5), _ids(rng, 2, 37, 5))}),
+    "softcap_alibi_segments_causal": (_dims(Sq=53, Sk=37, H=4, Hkv=2, D=16, Dv=8), lambda rng: {
+        "softcap": 2.0, "alibi_slopes": rng.random(4).astype(np.float32), "causal": True,
+        "segment_ids": _doc_ids(rng, 2, 53, 37, 3)}),
+    "everything": (_dims(Sq=37, Sk=53, H=6, Hkv=2, D=16, Dv=8), lambda rng: {
+        "scale": 0.5, "causal": True, "window": (20, None), "softcap": 3.0,
+        "alibi_slopes": rng.random((2, 6)).astype(np.float32),
+        "segment_ids": _doc_ids(rng, 2, 37, 53, 2), "block_ids": _doc_ids(rng, 2, 37, 53, 6)}),
+}
+#: float32 naive vs float64: what fp32 rounding of scores, softmax and matmuls leaves (measured
+#: 3e-8 .. 3e-7 on these cases); a wrong option (missing mask, softcap derivative, ALiBi sign or
+#: order) is an O(1e-2 .. 1) error.
+NAIVE_FP32_LIMIT = 2e-6
+
+
+def _naive_option_problem(case):
+    dims, make_options = NAIVE_OPTION_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    q, k, v = (x.astype(np.float32) for x in _qkv(rng, dims))
+    dout = rng.standard_normal((dims["B"], dims["Sq"], dims["H"], dims["Dv"])).astype(np.float32)
+    dlse = rng.standard_normal((dims["B"], dims["H"], dims["Sq"])).astype(np.float32)
+    return q, k, v, dout, dlse, make_options(rng)
+
+
+@pytest.mark.parametrize("case", list(NAIVE_OPTION_CASES))
+def test_naive_float32_with_options_matches_reference(case):
+    """In float32 the naive model is the reference up to fp32 rounding, for every option."""
+    q, k, v, dout, dlse, options = _naive_option_problem(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = reference.naive_forward(q, k, v, dtype="float32", **options)
+        grads = reference.naive_backward(dout, q, k, v, dtype="float32", dlse=dlse, **options)
+    ref_out, ref_lse = reference.attention_forward(q, k, v, **options)
+    ref_grads = reference.attention_backward(dout, q, k, v, dlse=dlse, **options)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    errors = {"out": reference.relative_error(out, ref_out),
+              "lse": reference.relative_error(lse, ref_lse),
+              **{n: reference.relative_error(grads[n], ref_grads[n]) for n in ("dq", "dk", "dv")}}
+    assert all(err < NAIVE_FP32_LIMIT for err in errors.values()), errors
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["softcap_alibi_segments_causal", "everything"])
+def test_naive_low_precision_with_options(case, dtype):
+    """In fp16 / bf16 the options keep the naive error in the plain model's range, and its results
+    representable in the dtype."""
+    q, k, v, dout, dlse, options = _naive_option_problem(case)
+    q, k, v, dout = (x.astype(NAIVE_DTYPE[dtype]) for x in (q, k, v, dout))
+    low, high = NAIVE_ERROR_BOUNDS[dtype]
+    out, lse = reference.naive_forward(q, k, v, dtype=dtype, **options)
+    grads = reference.naive_backward(dout, q, k, v, dtype=dtype, dlse=dlse, **options)
+    ref_out, ref_lse = reference.attention_forward(q, k, v, **options)
+    ref_grads = reference.attention_backward(dout, q, k, v, dlse=dlse, **options)
+    assert low <= reference.relative_error(out, ref_out) < high
+    assert reference.relative_error(lse, ref_lse) < 1e-5
+    for name in ("dq", "dk", "dv"):
+        assert low <= reference.relative_error(grads[name], ref_grads[name]) < high, name
+    for x in [out] + list(grads.values()):
+        np.testing.assert_array_equal(x, np.asarray(x, NAIVE_DTYPE[dtype]).astype(np.float32))
+
+
+def test_naive_neutral_options_change_nothing():
+    """Options that hide nothing and add nothing leave the naive model's bits unchanged."""
+    q, k, v, dout, dlse, _ = _naive_option_problem("window")
+    B, Sq, H, _ = q.shape
+    Sk = k.shape[1]
+    neutral = {"window": (Sq + Sk, Sq + Sk), "alibi_slopes": np.zeros(H, np.float32),
+               "segment_ids": (np.full((B, Sq), 3, np.int32), np.full((B, Sk), 3, np.int32)),
+               "block_ids": (np.full((B, Sq), 2, np.int32), np.arange(B * Sk, dtype=np.int32)
+                             .reshape(B, Sk) % 3)}
+    for dtype in ("bfloat16", "float32"):
+        plain = reference.naive_forward(q, k, v, dtype=dtype)
+        plain_grads = reference.naive_backward(dout, q, k, v, dtype=dtype, dlse=dlse)
+        for name, value in neutral.items():
+            with_option = reference.naive_forward(q, k, v, dtype=dtype, **{name: value})
+            grads = reference.naive_backward(dout, q, k, v, dtype=dtype, dlse=dlse, **{name: value})
+            for got, expected in zip(list(with_option) + list(grads.values()),
+                                     list(plain) + list(plain_grads.values())):
+                np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {name}")
+
+
+def test_naive_rows_and_keys_nothing_sees():
+    """Segment ids found only in q, or only in k: those rows get out 0, lse -inf, dq 0; those keys
+    get dk = dv = 0; no NaN and no floating-point warning anywhere."""
+    rng = np.random.default_rng(23)
+    q, k, v = (x.astype(np.float32) for x in _qkv(rng, _dims(Sq=6, Sk=5, H=2, Hkv=1, D=8, Dv=8)))
+    q_ids = np.array([[0, 0, 9, 1, 1, 9], [9, 9, 9, 9, 9, 9]], np.int32)  # 9 is never a key's id
+    k_ids = np.array([[0, 0, 1, 7, 7], [0, 1, 1, 2, 2]], np.int32)       # 7 is never a query's id
+    dout = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)
+    dlse = rng.standard_normal((2, 2, 6)).astype(np.float32)
+    for dtype in ("float16", "float32"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, lse = reference.naive_forward(q, k, v, dtype=dtype, softcap=2.0, causal=True,
+                                               segment_ids=(q_ids, k_ids))
+            grads = reference.naive_backward(dout, q, k, v, dtype=dtype, dlse=dlse, softcap=2.0,
+                                             causal=True, segment_ids=(q_ids, k_ids))
+        empty = q_ids == 9
+        empty[:, 0] = True  # causal with Sq = Sk + 1: query 0 would need key -1
+        assert np.all(out[empty] == 0) and np.all(grads["dq"][empty] == 0)
+        assert np.all(np.isneginf(lse.transpose(0, 2, 1)[empty]))
+        assert np.all(np.isfinite(lse.transpose(0, 2, 1)[~empty]))
+        # batch 0: key 1 (id 0) is past the diagonal of both id-0 queries, keys 3, 4 have id 7;
+        # batch 1: every query has id 9
+        unseen = np.array([[False, True, False, True, True], [True] * 5])
+        assert np.all(grads["dk"][unseen] == 0) and np.all(grads["dv"][unseen] == 0)
+        assert np.any(grads["dk"][~unseen] != 0)
+        for x in [out] + list(grads.values()):
+            assert not np.isnan(x).any()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Rounding and error helpers
 # ----------------------------------------------------------------------------------------------------
@@ -572,6 +709,16 @@ def _bad_calls():
         "naive_heads": (lambda: reference.naive_forward(q, k[:, :, :1].repeat(3, 2),
                                                         v[:, :, :1].repeat(3, 2), dtype="float32"),
                         "k has 3 heads"),
+        "naive_softcap": (lambda: reference.naive_forward(q, k, v, dtype="float32", softcap=-1.0),
+                          "softcap"),
+        "naive_window": (lambda: reference.naive_backward(dout, q, k, v, dtype="float32", window=4),
+                         "window"),
+        "naive_alibi": (lambda: reference.naive_forward(q, k, v, dtype="float16",
+                                                        alibi_slopes=np.ones((2, 3))),
+                        "alibi_slopes has shape"),
+        "naive_segment_ids": (lambda: reference.naive_forward(
+            q, k, v, dtype="float32", segment_ids=(np.zeros((2, 3)), np.zeros((2, 4)))),
+            r"segment_ids\[1\]"),
     }
 
 
@@ -616,6 +763,8 @@ def test_xp_path_uses_only_functions_cupy_has():
     options = make_options(rng, dims)
     dlse = options.pop("dlse")
     dout = rng.standard_normal((2, 5, 4, 6))
+    naive_options = {name: options[name] for name in (
+        "scale", "causal", "window", "softcap", "alibi_slopes", "segment_ids", "block_ids")}
     for via, plain in [
         (reference.attention_forward(q, k, v, xp=xp, **options),
          reference.attention_forward(q, k, v, **options)),
@@ -623,6 +772,8 @@ def test_xp_path_uses_only_functions_cupy_has():
          reference.attention_backward(dout, q, k, v, dlse=dlse, **options)),
         (reference.naive_backward(dout, q, k, v, dtype="bfloat16", causal=True, xp=xp),
          reference.naive_backward(dout, q, k, v, dtype="bfloat16", causal=True)),
+        (reference.naive_backward(dout, q, k, v, dtype="float16", dlse=dlse, xp=xp, **naive_options),
+         reference.naive_backward(dout, q, k, v, dtype="float16", dlse=dlse, **naive_options)),
         (reference.varlen_attention_backward(dout[0], q[0], k[0], v[0], [0, 2, 5], [0, 1, 3],
                                              causal=True, xp=xp),
          reference.varlen_attention_backward(dout[0], q[0], k[0], v[0], [0, 2, 5], [0, 1, 3],

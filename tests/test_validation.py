@@ -6,6 +6,7 @@ import pytest
 import cuflash
 from cuflash import validation
 from cuflash.arrays import TensorDesc, resolve_stream
+from cuflash.kernels import ProblemShape
 
 pytest.importorskip("cupy")
 
@@ -117,10 +118,7 @@ def test_bad_buffers_raise_naming_the_argument(case, buffer, shape, dtype, rows_
         validation.check_buffer(buffer, shape, dtype, 0, rows_contiguous_only=rows_only)
 
 
-@pytest.mark.parametrize("option,value", [
-    ("window", (128, 0)), ("softcap", 30.0), ("mask", object()), ("bias", object()),
-    ("alibi_slopes", object()), ("segment_ids", (1, 2)), ("block_ids", (1, 2)), ("dropout_p", 0.1),
-])
+@pytest.mark.parametrize("option,value", [("mask", object()), ("bias", object()), ("dropout_p", 0.1)])
 def test_planned_options_are_refused_by_name_not_ignored(option, value):
     with pytest.raises(NotImplementedError, match=f"{option}= is not implemented"):
         validation.reject_planned({option: value})
@@ -128,6 +126,66 @@ def test_planned_options_are_refused_by_name_not_ignored(option, value):
 
 def test_neutral_values_of_planned_options_are_accepted():
     validation.reject_planned({"window": (None, None), "dropout_p": 0.0, "softcap": None, "bias": None})
+
+
+# --- score options (window, softcap, alibi_slopes, segment_ids, block_ids) ------------------------------
+
+_SHAPE = ProblemShape(2, 33, 47, 4, 2, 64, 64, "bfloat16", False)
+
+
+def _opt_desc(shape, dtype, name, strides=None, ptr=256, device=0):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    itemsize = 4
+    return TensorDesc(name, tuple(shape), tuple(strides), dtype, itemsize, ptr, device)
+
+
+def _describe_spec(x, name):
+    """Test stand-in for arrays.describe: options are given as (shape, dtype[, strides, ptr, device])."""
+    return _opt_desc(x[0], x[1], name, *x[2:])
+
+
+def _check_options(**options):
+    return validation.check_score_options(_SHAPE, options, _describe_spec, 0)
+
+
+def test_score_options_select_the_variants_and_fold_causal():
+    shape, opts = _check_options(window=(16, None))
+    assert shape.general_mask and not shape.score_mod and shape.mask_kind == 2
+    params = opts.params(causal=True)
+    assert params["window_left"] == 16 and params["window_right"] == 0
+    assert opts.params(causal=False)["window_right"] == validation.UNBOUNDED_WINDOW
+    shape, opts = _check_options(softcap=30.0, alibi_slopes=((4,), "float32"))
+    assert shape.score_mod and not shape.general_mask and opts.params(False)["alibi_batch_stride"] == 0
+    shape, opts = _check_options(alibi_slopes=((2, 4), "float32"), segment_ids=(((2, 33), "int32"), ((2, 47), "int32")))
+    assert shape.score_mod and shape.general_mask
+    assert opts.params(False)["alibi_batch_stride"] == 4 and opts.params(False)["k_segment_batch_stride"] == 47
+    shape, opts = _check_options(window=(None, None), softcap=None)
+    assert shape == _SHAPE and opts.params(False) == {}
+
+
+@pytest.mark.parametrize("options,error,message", [
+    ({"window": 3}, TypeError, "window must be a pair"),
+    ({"window": (1, 2, 3)}, TypeError, "window must be a pair"),
+    ({"window": (-1, 0)}, ValueError, "window left must be >= 0"),
+    ({"window": (0, 1.5)}, TypeError, "window right must be an int"),
+    ({"window": (True, 0)}, TypeError, "window left must be an int"),
+    ({"softcap": -1.0}, ValueError, "softcap must be a finite number > 0"),
+    ({"softcap": float("inf")}, ValueError, "softcap must be a finite number"),
+    ({"softcap": "30"}, TypeError, "softcap must be a number"),
+    ({"alibi_slopes": ((3,), "float32")}, ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
+    ({"alibi_slopes": ((4,), "float16")}, TypeError, "alibi_slopes must have dtype float32"),
+    ({"alibi_slopes": ((2, 4), "float32", (1, 2))}, ValueError, "alibi_slopes must be contiguous in its last"),
+    ({"alibi_slopes": ((4,), "float32", None, 256, 1)}, ValueError, "alibi_slopes is on CUDA device 1"),
+    ({"segment_ids": 5}, TypeError, "segment_ids must be a pair"),
+    ({"segment_ids": (((2, 33), "int64"), ((2, 47), "int32"))}, TypeError, r"segment_ids\[0\] \(q_ids\) must have dtype int32"),
+    ({"segment_ids": (((2, 33), "int32"), ((2, 46), "int32"))}, ValueError, r"segment_ids\[1\] \(k_ids\) must have shape \(2, 47\)"),
+    ({"block_ids": (((2, 47), "int32"), ((2, 47), "int32"))}, ValueError, r"block_ids\[0\] \(q_ids\) must have shape \(2, 33\)"),
+    ({"block_ids": (((2, 33), "int32", None, 258), ((2, 47), "int32"))}, ValueError, "base pointer is not aligned"),
+])
+def test_bad_score_options_raise_naming_the_argument(options, error, message):
+    with pytest.raises(error, match=message):
+        _check_options(**options)
 
 
 def test_unknown_keyword_is_a_type_error():

@@ -73,11 +73,13 @@ __host__ __device__ constexpr DqWarpLayout choose_dq_layout(int block_m, int hea
 // that see them (Q, dO, lse, D double-buffered). Warp w owns keys (w % kWarpsN)*16 .. +16; with
 // kWarpsD = 2 the two warps of a key group (d_split = w / kWarpsN) take query halves of S^T and halves of
 // the head-dim columns of dK / dV (which halves: the mainloop's dkdv_col0).
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsCausal_, bool kAtomicDq_>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, bool kScoreMod_,
+          bool kAtomicDq_>
 struct DkdvConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool kIsCausal = kIsCausal_, kAtomicDq = kAtomicDq_;
+    static constexpr int kMask = kMask_;  // MaskKind
+    static constexpr bool kAtomicDq = kAtomicDq_;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kWarpsN = kBlockN / 16;         // key groups of 16 rows
     static constexpr int kWarpsD = kNWarps / kWarpsN;    // warps sharing a key group (head-dim split)
@@ -95,9 +97,9 @@ struct DkdvConfig {
     static constexpr bool kHasP = kWarpsD > 1 && !kShareP;
     static constexpr bool kHasDs = kWarpsD > 1 || kAtomicDq;
 
-    using Mask = AttnMask<kIsCausal>;
-    using Blocks = QueryBlocks<kBlockM, kBlockN>;
-    using ScoreMod = IdentityScoreMod;
+    using Mask = MaskOf<kMask>;
+    using Blocks = QueryBlocksOf<kMask, kBlockM, kBlockN>;
+    using ScoreMod = ScoreModOf<kScoreMod_>;
 
     using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V
     using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
@@ -137,11 +139,11 @@ struct DkdvRole {
 // Deterministic dQ kernel: one CTA owns kBlockM queries (resident Q, dO) and streams the key blocks they
 // see (K, V double-buffered). Warp w owns queries (w % kWarpsM)*16 .. +16; with kWarpsD = 2 the two warps
 // of a query group (d_split = w / kWarpsM) take key halves of S and interleaved 16-column groups of dQ.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsCausal_>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, bool kScoreMod_>
 struct DqConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kMask = kMask_;  // MaskKind
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kWarpsM = kBlockM / 16;         // query groups of 16 rows
     static constexpr int kWarpsD = kNWarps / kWarpsM;    // warps sharing a query group (head-dim split)
@@ -154,8 +156,9 @@ struct DqConfig {
     static_assert(kWarpsD == 1 || kWarpsD == 2, "the head dim is split over at most 2 warps");
     static_assert(kNPerWarp % 16 == 0 && kDPerWarp % 16 == 0, "bad dQ warp layout");
 
-    using Mask = AttnMask<kIsCausal>;
-    using ScoreMod = IdentityScoreMod;
+    using Mask = MaskOf<kMask>;
+    using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
+    using ScoreMod = ScoreModOf<kScoreMod_>;
 
     using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
     using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V

@@ -86,26 +86,26 @@ struct DkdvMainloop {
         const int seqlen_q = params.seqlen_q;
         const int key0 = n_block * Cfg::kBlockN;
         const int num_m_blocks = blocks.count();
-        // The query blocks are visited from m_first on, wrapping around at m_end. The atomic path starts at
-        // a different block for each key block, so blocks running side by side add into different dq_accum
-        // rows; the deterministic path goes in order.
-        const int m_first =
-            Cfg::kAtomicDq && num_m_blocks > 0 ? blocks.m_begin + n_block % num_m_blocks : blocks.m_begin;
+        // The query blocks are visited from step `first` on, wrapping around at the end. The atomic path
+        // starts at a different step for each key block, so blocks running side by side add into different
+        // dq_accum rows; the deterministic path goes in order.
+        const int first = Cfg::kAtomicDq && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
         const int num_steps = heads * num_m_blocks;
         if (num_m_blocks > 0) {
             const SeqInfo seq(params, b, h0);
             Loads::load_kv(params, seq, smem, key0, tid);
-            Loads::load_queries(params, seq, smem, m_first, 0, tid);
+            Loads::load_queries(params, seq, smem, blocks.block(first), 0, tid);
             sm80::cp_async_commit();
         }
 
-        int m_block = m_first, h = h0;
+        int i = first, h = h0;
         for (int step = 0; step < num_steps; ++step) {
             const int stage = step & 1;
-            const int query0 = m_block * Cfg::kBlockM;
+            const int query0 = blocks.block(i) * Cfg::kBlockM;
+            const bool masked = blocks.masked(i);
             const int step_head = h;
-            m_block = blocks.next(m_block);  // the next step's block, and head once the blocks wrap around
-            if (m_block == m_first) ++h;
+            i = i + 1 == num_m_blocks ? 0 : i + 1;  // the next step's block, and head once the blocks wrap around
+            if (i == first) ++h;
             const unsigned s_q = smem + Cfg::kOffQ + stage * TileQ::kBytes;
             const unsigned s_do = smem + Cfg::kOffDo + stage * TileQ::kBytes;
 
@@ -115,7 +115,7 @@ struct DkdvMainloop {
             Math::fence_loaded();
             __syncthreads();
             if (step + 1 < num_steps) {
-                Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, m_block, stage ^ 1,
+                Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
                                     opaque(tid));
                 sm80::cp_async_commit();
             }
@@ -124,13 +124,15 @@ struct DkdvMainloop {
             // S^T = K . Q^T -> P^T; dP^T = V . dO^T -> dS^T (transposed C layout: row = key, column = query).
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
+            float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
+            const typename Cfg::ScoreMod mod(params, b, step_head);
             Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
             const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
             const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
-            probs_transposed<Cfg>(acc_s, mask, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t, s_lse,
-                                  params.scale_log2);
+            probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g,
+                                  r.t, s_lse, Cfg::ScoreMod::exp_factor(params));
             Math::dprobs(acc_dp, smem, s_do, r);
-            dscores_transposed<Cfg>(acc_dp, acc_s, s_dsum, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
+            dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum);
 
             // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             float* dq_rows =

@@ -23,7 +23,7 @@ struct DqMainloopSm80 {
     using Elem = typename Cfg::Elem;
     using TileQ = typename Cfg::TileQ;
     using TileK = typename Cfg::TileK;
-    using Blocks = KeyBlocks<Cfg::kBlockM, Cfg::kBlockN>;
+    using Blocks = typename Cfg::Blocks;
     static constexpr int kSmemBytes = Cfg::kSmemBytes;
     static constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kWarpsD = Cfg::kWarpsD;
 
@@ -52,6 +52,7 @@ struct DqMainloopSm80 {
         const int key_col0 = d_split * Cfg::kNPerWarp;          // the warp's keys of S within the key block
         const unsigned s_q = smem + Cfg::kOffQ, s_do = smem + Cfg::kOffDo, s_ds = smem + Cfg::kOffDs;
         const SeqInfo seq(params, b, h);
+        const typename Cfg::ScoreMod mod(params, b, h);
 
         // lse and D of the thread's two rows; rows past Sq get P = 0 through lse = +inf.
         float lse2[2], dsum[2];
@@ -73,7 +74,7 @@ struct DqMainloopSm80 {
             load_keys(params, seq, smem, blocks.block(0), 0, tid);
             sm80::cp_async_commit();
         }
-        const float scale_log2 = params.scale_log2;
+        const float scale_log2 = Cfg::ScoreMod::exp_factor(params);
         for (int j = 0; j < num_blocks; ++j) {
             const int stage = j & 1;
             const int key0 = blocks.block(j) * Cfg::kBlockN;
@@ -92,14 +93,16 @@ struct DqMainloopSm80 {
 
             // S = Q . K^T for the warp's 16 queries x kNPerWarp keys -> P; dP = dO . V^T -> dS.
             float acc_s[1][kNTiles][4], acc_dp[1][kNTiles][4];
+            float aux[1][kNTiles][4];  // the score modifier's backward factor (dropped for the identity)
             clear(acc_s[0]);
             gemm_abt<Elem, Cfg::kHeadDim, kNTiles>(acc_s[0], cursor_a<TileQ>(s_q, row0, 0, lane),
                                                    cursor_b<TileK>(s_k, key_col0, 0, lane));
-            probs_rows<Cfg>(acc_s, mask, query0, key0, query0 + row0, key0 + key_col0, lse2, scale_log2);
+            probs_rows<Cfg>(acc_s, aux, mod, mask, blocks.masked(j), query0, key0, query0 + row0, key0 + key_col0, lse2,
+                            scale_log2);
             clear(acc_dp[0]);
             gemm_abt<Elem, Cfg::kHeadDim, kNTiles>(acc_dp[0], cursor_a<TileQ>(s_do, row0, 0, lane),
                                                    cursor_b<TileK>(s_v, key_col0, 0, lane));
-            dscores_rows<Cfg>(acc_dp, acc_s, dsum, query0 + row0, key0 + key_col0);
+            dscores_rows<Cfg>(acc_dp, acc_s, aux, mod, dsum);
 
             // dQ += dS . K (K read with .trans at the warp's interleaved head-dim columns).
             const SmemCursor<TileK> k_cols = cursor_a<TileK>(s_k, 0, 2 * d_split, lane);

@@ -28,12 +28,13 @@
 namespace cuflash {
 
 // The forward's compile-time shape, from the kernel's template arguments.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kIsCausal_>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, int kMask_,
+          bool kScoreMod_>
 struct FwdConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_, kStages = kStages_;
-    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kMask = kMask_;  // MaskKind
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kWarpRows = kBlockM / kNWarps;  // query rows a warp owns
     static constexpr int kMTiles = kWarpRows / 16;
@@ -41,9 +42,9 @@ struct FwdConfig {
     static constexpr int kDTiles = kHeadDim / 8;         // output columns, in mma n8 tiles
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
     static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
-    using Mask = AttnMask<kIsCausal>;
-    using Blocks = KeyBlocks<kBlockM, kBlockN>;
-    using ScoreMod = IdentityScoreMod;
+    using Mask = MaskOf<kMask>;
+    using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
+    using ScoreMod = ScoreModOf<kScoreMod_>;
     static_assert(sizeof(Elem) == 2, "the tensor-core forward takes fp16 or bf16");
     static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
@@ -60,15 +61,15 @@ struct FwdLoads {
     using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
     using KVTile = Tile_;
     const AttnParams& params;
+    const typename Cfg::Blocks& blocks;
     const Elem* k_src;
     const Elem* v_src;
     unsigned smem_k, smem_v;
-    int n_end, n_blocks;
 
-    __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks,
+    __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks_,
                                         unsigned smem_q)
-        : params(p), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
-          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), n_end(blocks.n_end), n_blocks(blocks.count()) {}
+        : params(p), blocks(blocks_), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
+          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes) {}
 
     __device__ __forceinline__ void load_q(unsigned smem_q, const SeqInfo& seq, int row_begin) const {
         load_tile<QTile, Cfg::kThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
@@ -83,9 +84,9 @@ struct FwdLoads {
     // Step j's key block of K or V (src, its row stride, valid columns, the tensor's base) into slot j % kSlots.
     __device__ __forceinline__ void load_step(int j, unsigned smem, const Elem* src, long long row_stride, int cols,
                                               const void* base) const {
-        if (j < n_blocks) {
+        if (j < blocks.count()) {
             load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
-                                                              (n_end - 1 - j) * Cfg::kBlockN, params.seqlen_k, cols,
+                                                              blocks.block(j) * Cfg::kBlockN, params.seqlen_k, cols,
                                                               base);
         }
         sm80::cp_async_commit();
@@ -99,21 +100,24 @@ struct FwdWork {
     Loads loads;
     const typename Cfg::Blocks& blocks;
     const typename Cfg::Mask& mask;
+    const typename Cfg::ScoreMod mod;
     unsigned smem_q;
     int row_begin, warp_row0;
 
     __device__ __forceinline__ FwdWork(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
                                        const typename Cfg::Mask& m, unsigned smem, int row_begin_, int warp_row0_)
-        : loads(p, seq, b, smem), blocks(b), mask(m), smem_q(smem), row_begin(row_begin_), warp_row0(warp_row0_) {}
+        : loads(p, seq, b, smem), blocks(b), mask(m), mod(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
+          warp_row0(warp_row0_) {}
 
-    // The warp's raw scores against key block n -> the score modifier, then -inf where invisible (the
-    // per-element test only on warp tiles that can need it).
+    // The warp's raw scores against step j's key block -> the score modifier, then -inf where invisible
+    // (the per-element test only on warp tiles that can need it).
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int n) const {
+    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j) const {
         const int warp_row_begin = row_begin + warp_row0;
-        typename Cfg::ScoreMod().apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
-        if (mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN)) {
-            mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        const int col0 = blocks.block(j) * Cfg::kBlockN;
+        mod.apply(acc_s, warp_row_begin, col0);
+        if (blocks.masked(j) && mask.needs_mask(warp_row_begin, Cfg::kWarpRows, col0, Cfg::kBlockN)) {
+            mask.apply(acc_s, warp_row_begin, col0);
         }
     }
 };
@@ -139,8 +143,11 @@ __device__ __forceinline__ void negate_tile(unsigned tile) {
 // A zero scale becomes the smallest normal float, which keeps every finite exponent at 0 while masked
 // scores stay -inf (0 * -inf would be NaN); lse still uses 0. kYoungerGroups: cp.async groups committed
 // after the one holding Q.
-template <typename QTile, int kThreads, int kYoungerGroups>
+// A score modifier of the scaled domain (score_mod.cuh) has applied the scale itself: the softmax then
+// runs with log2(e), and Q stays as it is.
+template <typename QTile, int kThreads, int kYoungerGroups, typename ScoreMod>
 __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, unsigned smem_q) {
+    if constexpr (ScoreMod::kScaled) return ScoreMod::exp_factor(params);
     constexpr float kMinScaleLog2 = 1.17549435e-38f;  // smallest normal float
     const float scale_log2 = fmaxf(fabsf(params.scale_log2), kMinScaleLog2);
     if (params.scale < 0.f) {
@@ -188,12 +195,11 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
             this->loads.load_v(s);
             this->loads.load_k(s + 1);
         }
-        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2>(params, this->smem_q);
+        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2, typename Cfg::ScoreMod>(params, this->smem_q);
 
         const LdmatrixLanes lanes(threadIdx.x % 32);
         const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
         for (int j = 0; j < this->blocks.count(); ++j) {
-            const int n = this->blocks.block(j);
             const unsigned slot = kStages == 1 ? 0u : unsigned(j % kStages) * Tile::kBytes;
 
             sm80::cp_async_wait<2 * kStages - 2>();  // K_j (and Q) landed for this thread ...
@@ -202,7 +208,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
 
             float acc_s[kMTiles][kNTiles][4];
             gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
-            this->modify_and_mask(acc_s, n);
+            this->modify_and_mask(acc_s, j);
 
             sm80::cp_async_wait<2 * kStages - 2>();  // V_j landed for this thread ...
             __syncthreads();                         // ... and for all; everyone finished Q.K_j^T

@@ -91,7 +91,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
         // Prologue: K0 (with Q) only; the loop waits for everything at each step.
         this->loads.load_q(this->smem_q, seq, this->row_begin);
         this->loads.load_k(0);
-        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 0>(params, this->smem_q);
+        const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 0, typename Cfg::ScoreMod>(params, this->smem_q);
 
         const bool never = params.seqlen_k < 0;  // validated >= 1 on the host; see keep_wait_after
         // P (A operand, registers, mma.sync A layout) times V (MN-major: rows = keys = K, columns = head
@@ -113,7 +113,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->loads.load_v(0);
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
-            this->modify_and_mask(acc_s, this->blocks.block(0));
+            this->modify_and_mask(acc_s, 0);
             softmax.update(acc_s, acc_o, scale_log2);
             pack_a<Elem>(p_frag, acc_s[0]);
         }
@@ -127,7 +127,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->loads.load_v(j);      // into the slot of V_{j-2}
             sm90::wait<1>();      // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
-            this->modify_and_mask(acc_s, this->blocks.block(j));
+            this->modify_and_mask(acc_s, j);
             // acc_o is still being written by P.V_{j-1}: the softmax's max and exp steps run now, its
             // rescale of acc_o once P.V_{j-1} is done.
             float ratio[kMTiles][2];

@@ -5,19 +5,77 @@
 // m-tile mt, n-tile nt, element e sits at
 //   row = row0 + mt*16 + lane/4 + (e >= 2 ? 8 : 0),   col = col0 + nt*8 + (lane%4)*2 + (e & 1).
 // Masks are applied only to tiles that can contain an invisible pair (see needs_mask), so the
-// common interior tile pays nothing. Future masks (window, segment / block ids, bool masks) extend
-// `visible` and the block ranges below; the mainloops do not change.
+// common interior tile pays nothing.
+//
+// Three policies, picked by the kernels' kMask template argument (MaskKind):
+//   kNoMask       AttnMask<false>: only the end of the keys;
+//   kCausalMask   AttnMask<true>: bottom-right causal, with analytic block ranges;
+//   kGeneralMask  GeneralMask: causal and window (runtime), segment ids and block ids; the blocks to visit
+//                 and whether each needs the per-element test come from per-block lists a pre-pass builds
+//                 (block_lists.cu), so tiles no pair of which is visible are never loaded.
+// Every policy has visible(row, col) and the two apply forms (MaskTiles), and
+// needs_mask(row0, rows, col0, cols): whether a tile may hold an invisible pair, refined by the block
+// lists' partial flag where a policy has lists (a caller tests `blocks.masked(j) && mask.needs_mask(..)`).
 #pragma once
 
 #include "cuflash/numeric.cuh"
+#include "cuflash/params.cuh"
 
 namespace cuflash {
 
+enum MaskKind : int { kNoMask = 0, kCausalMask = 1, kGeneralMask = 2 };
+
+// The apply forms every policy shares, written against its visible(row, col).
+template <typename Policy>
+struct MaskTiles {
+    __device__ __forceinline__ const Policy& self() const { return *static_cast<const Policy*>(this); }
+
+    // Sets invisible scores of a C-fragment tile to -inf.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+                    const int col = col0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+                    if (!self().visible(row, col)) acc[mt][nt][e] = -INFINITY;
+                }
+            }
+        }
+    }
+
+    // The transposed form (the dK/dV kernels' S^T: rows are keys, columns queries), which also hides
+    // queries >= rows_valid (the backward's zero-filled rows past Sq carry no lse to zero them):
+    // element e of n-tile nt of a lane sits at key = key_row + (e >= 2 ? 8 : 0) and query = query_col +
+    // nt*8 + (e & 1), with key_row / query_col the lane's own first key / query.
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
+                                                     int rows_valid) const {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key_row + (e >= 2 ? 8 : 0);
+                const int query = query_col + nt * 8 + (e & 1);
+                const bool ok = (query < rows_valid) & self().visible(query, key);
+                acc[nt][e] = ok ? acc[nt][e] : -INFINITY;
+            }
+        }
+    }
+};
+
 template <bool kIsCausal>
-struct AttnMask {
+struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
     int seqlen_q;
     int seqlen_k;
     int causal_offset;  // seqlen_k - seqlen_q (bottom-right aligned causal)
+
+    __device__ __forceinline__ AttnMask(const AttnParams& p, int /*b*/)
+        : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal_offset(p.causal_offset) {}
 
     __device__ __forceinline__ bool visible(int row, int col) const {
         if (col >= seqlen_k) return false;
@@ -68,42 +126,107 @@ struct AttnMask {
         return false;
     }
 
-    // Sets invisible scores of a C-fragment tile to -inf.
+};
+
+
+// Causal and window (runtime), segment ids and block ids. Query row i (< Sq) sees key j (< Sk) iff
+//   -window_left <= j - i - causal_offset <= window_right   (causal: window_right <= 0, folded on the host)
+//   and q_segment_ids[i] == k_segment_ids[j]   (when given)
+//   and k_block_ids[j] <= q_block_ids[i]       (when given).
+// Block ranges come from the pre-pass lists (ListKeyBlocks / ListQueryBlocks in block.cuh), which also
+// say which blocks need the per-element test; needs_mask itself answers "maybe" everywhere.
+struct GeneralMask : MaskTiles<GeneralMask> {
+    // Only the batch index and the params reference are held: every other field is read from the kernel's
+    // parameter block where used, so the mask costs the mainloops no registers across their loops.
+    const AttnParams& p;
+    int b;
+
+    __device__ __forceinline__ GeneralMask(const AttnParams& params, int b_) : p(params), b(b_) {}
+
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        if (row >= p.seqlen_q || col >= p.seqlen_k) return false;
+        const int d = col - row - p.causal_offset;
+        if (d < -p.window_left || d > p.window_right) return false;
+        if (p.q_segment_ids != nullptr &&
+            __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + row) !=
+                __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + col)) {
+            return false;
+        }
+        if (p.q_block_ids != nullptr &&
+            __ldg(p.k_block_ids + b * p.k_block_batch_stride + col) >
+                __ldg(p.q_block_ids + b * p.q_block_batch_stride + row)) {
+            return false;
+        }
+        return true;
+    }
+    __device__ __forceinline__ bool needs_mask(int, int, int, int) const { return true; }
+
+    // The C-fragment form. With several m-tiles per warp (the mma.sync forward) each id is read once per
+    // row and once per column: the generic per-element form issued two id loads per element, all hoisted
+    // ahead of the tests (D64 128 x 128, sm_90a: 412 bytes of spill against 88). With one m-tile (the
+    // wgmma forward, the dQ kernel) the generic form keeps fewer registers live (202 against 255 and 16
+    // bytes of spill at D128).
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        if constexpr (kMTiles == 1) {
+            MaskTiles<GeneralMask>::apply(acc, row0, col0);
+        } else {
+            apply_by_rows(acc, row0, col0);
+        }
+    }
+
+  private:
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_by_rows(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         const int lane = threadIdx.x % 32;
+        const bool seg = p.q_segment_ids != nullptr, blk = p.q_block_ids != nullptr;
+        int row[kMTiles][2], q_seg[kMTiles][2], q_blk[kMTiles][2];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + mt * 16 + lane / 4 + half * 8;
+                const bool ok = r < p.seqlen_q;
+                row[mt][half] = ok ? r : -(1 << 30);  // a row past Sq sees nothing (d > any window_right)
+                q_seg[mt][half] = seg && ok ? __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + r) : 0;
+                q_blk[mt][half] = blk && ok ? __ldg(p.q_block_ids + b * p.q_block_batch_stride + r) : 0;
+            }
+        }
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-                    const int col = col0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-                    if (!visible(row, col)) acc[mt][nt][e] = -INFINITY;
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = col0 + nt * 8 + (lane % 4) * 2 + c;
+                const bool col_ok = col < p.seqlen_k;
+                int k_seg = 0, k_blk = 0;  // loaded under branches, so they are not all hoisted ahead
+                if (seg && col_ok) k_seg = __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + col);
+                if (blk && col_ok) k_blk = __ldg(p.k_block_ids + b * p.k_block_batch_stride + col);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int d = col - row[mt][half] - p.causal_offset;
+                        const bool ok = col_ok & (d >= -p.window_left) & (d <= p.window_right) &
+                                        (q_seg[mt][half] == k_seg) & (k_blk <= q_blk[mt][half]);
+                        float& x = acc[mt][nt][2 * half + c];
+                        x = ok ? x : -INFINITY;
+                    }
                 }
             }
         }
     }
 
-    // The transposed form (the dK/dV kernels' S^T: rows are keys, columns queries), which also hides
-    // queries >= rows_valid (the backward's zero-filled rows past Sq carry no lse to zero them):
-    // element e of n-tile nt of a lane sits at key = key_row + (e >= 2 ? 8 : 0) and query = query_col +
-    // nt*8 + (e & 1), with key_row / query_col the lane's own first key / query.
-    template <int kNTiles>
-    __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
-                                                     int rows_valid) const {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key_row + (e >= 2 ? 8 : 0);
-                const int query = query_col + nt * 8 + (e & 1);
-                const bool ok = (query < rows_valid) & visible(query, key);
-                acc[nt][e] = ok ? acc[nt][e] : -INFINITY;
-            }
-        }
+  public:
+    // This batch's list row of query block m (kv_blocks) or key block n (q_blocks).
+    __device__ __forceinline__ const int* kv_list(int m) const {
+        return p.kv_blocks + (static_cast<long long>(b) * p.kv_blocks_rows + m) * p.kv_blocks_stride;
+    }
+    __device__ __forceinline__ const int* q_list(int n) const {
+        return p.q_blocks + (static_cast<long long>(b) * p.q_blocks_rows + n) * p.q_blocks_stride;
     }
 };
+
+template <int kMask>
+using MaskOf = conditional_t<kMask == kGeneralMask, GeneralMask, AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash

@@ -32,6 +32,16 @@ struct AttnParams {
     float* dv_accum;    // fp32 dV partials, the same way
     float* softmax_d;   // rowsum(dO * O) - dlse, written by the backward pre-pass
     const float* dlse;  // gradient flowing into lse, or null
+    // Score options (null / 0 when off; cuflash/kernels/*.py select the variants that read them).
+    const int* q_segment_ids;   // (B, Sq) int32, rows contiguous: query i sees key j only if ids are equal
+    const int* k_segment_ids;   // (B, Sk)
+    const int* q_block_ids;     // (B, Sq): block-causal, query i sees key j only if k_id <= q_id
+    const int* k_block_ids;     // (B, Sk)
+    const float* alibi_slopes;  // (H,) or (B, H) fp32: adds -slope * |i + Sk - Sq - j|
+    // Per-block visit lists of the general mask (written by flash_block_lists_kernel, block_lists.cu):
+    // row (b, outer block) = [count, entries...], entry = (inner block << 1) | partial, ascending.
+    int* kv_blocks;             // per query block: the key blocks it visits
+    int* q_blocks;              // per key block: the query blocks that visit it (dK / dV kernels)
 
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -43,6 +53,8 @@ struct AttnParams {
     long long dv_batch_stride, dv_row_stride, dv_head_stride;
     long long lse_batch_stride, lse_head_stride;
     long long dlse_batch_stride, dlse_head_stride;
+    long long q_segment_batch_stride, k_segment_batch_stride, q_block_batch_stride, k_block_batch_stride;
+    long long alibi_batch_stride;  // 0 for (H,) slopes
 
     int batch;
     int seqlen_q;
@@ -54,8 +66,13 @@ struct AttnParams {
     int h_per_kv;       // num_heads / num_heads_k
     int dkdv_heads;     // query heads one dK/dV CTA accumulates (a divisor of h_per_kv; the plan picks it)
     int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
+    int window_left;    // general mask: query i sees key j only if -window_left <= j - i - causal_offset
+    int window_right;   //   <= window_right (causal folds in as window_right <= 0; 1 << 30 = unbounded)
+    int kv_blocks_rows, kv_blocks_stride;  // query blocks per batch in kv_blocks, ints per list row
+    int q_blocks_rows, q_blocks_stride;    // key blocks per batch in q_blocks, ints per list row
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2
+    float softcap;      // > 0: s = softcap * tanh(s / softcap) (score-modifier variants); 0 = off
 };
 
 #ifdef CUFLASH_PARAMS_BYTES

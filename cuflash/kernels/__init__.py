@@ -5,6 +5,7 @@ Each kernel family has one module here, next to its source in ``cuda_src/``:
 - ``forward``: tensor-core forward (fp16 / bf16), ``flash_fwd.cu``
 - ``backward``: tensor-core backward (fp16 / bf16), ``flash_bwd.cu``
 - ``simt``: true-fp32 forward and backward, ``flash_simt.cu``
+- ``block_lists``: the general mask's pre-pass (per-block visit lists), ``block_lists.cu``
 
 A family module exposes ``plan_forward(shape, arch)``, ``plan_backward(shape, arch, deterministic)``
 (where it has one) and ``all_variants(arch)``; :func:`plan_forward` / :func:`plan_backward` below pick
@@ -20,6 +21,9 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 #: Multiprocessors assumed by plans made without a device (CPU tests, ``compile``): an H100 SXM's.
 DEFAULT_SMS = 132
+#: The kernels' kMask template argument (``MaskKind`` in cuda_src/cuflash/mask.cuh).
+MASK_NONE, MASK_CAUSAL, MASK_GENERAL = 0, 1, 2
+MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -43,10 +47,26 @@ class ProblemShape:
     head_dim_v: int
     dtype: str  # "float16", "bfloat16" or "float32"
     causal: bool
+    #: window, segment_ids or block_ids given: the general mask (runtime causal / window / ids, block lists)
+    general_mask: bool = False
+    #: softcap or alibi_slopes given: the score-modifier variants
+    score_mod: bool = False
 
     @property
     def head_dim_bucket(self) -> int:
         return head_dim_bucket(max(self.head_dim, self.head_dim_v))
+
+    @property
+    def mask_kind(self) -> int:
+        """The kernels' kMask: MASK_GENERAL, MASK_CAUSAL or MASK_NONE."""
+        if self.general_mask:
+            return MASK_GENERAL
+        return MASK_CAUSAL if self.causal else MASK_NONE
+
+    @property
+    def skips_blocks(self) -> bool:
+        """Whether query / key blocks differ in work (a triangle or a sparse mask), not a full rectangle."""
+        return self.mask_kind != MASK_NONE
 
 
 @dataclass(frozen=True)
@@ -79,8 +99,9 @@ class Plan:
     """Launches in order, plus the fp32 scratch buffers they need.
 
     ``scratch`` maps an ``AttnParams`` pointer field (``"dq_accum"``, ``"dk_accum"``, ``"dv_accum"``,
-    ``"softmax_d"``) to the shape of a contiguous float32 buffer. Scratch arrives uninitialized:
-    the kernels initialize whatever they accumulate into.
+    ``"softmax_d"``, and the general mask's int32 block lists ``"kv_blocks"`` / ``"q_blocks"``) to the shape
+    of a contiguous buffer of 4-byte elements (float32 for the CPU-side allocations). Scratch arrives
+    uninitialized: the kernels initialize whatever they accumulate into.
     """
 
     launches: tuple
@@ -115,10 +136,10 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
 
 def all_variants(arch: int) -> list:
     """Every kernel variant the package can launch on ``arch``, without duplicates."""
-    from . import backward, forward, simt
+    from . import backward, block_lists, forward, simt
 
     seen, out = set(), []
-    for module in (forward, backward, simt):
+    for module in (forward, backward, simt, block_lists):
         for variant in module.all_variants(arch):
             if variant not in seen:
                 seen.add(variant)

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import block_lists
 
 SOURCE = "flash_bwd.cu"
 DTYPES = ("float16", "bfloat16")
@@ -38,7 +39,7 @@ SMALL_NUM_WARPS = 4
 @dataclass(frozen=True)
 class DkdvConfig:
     """One dK/dV variant. The fields, in this order, are the template arguments of
-    ``flash_bwd_dkdv_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kAtomicDq, kWgmma>``
+    ``flash_bwd_dkdv_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq, kWgmma>``
     (``cuflash.build.render_name`` renders them)."""
 
     dtype: str  # "float16" or "bfloat16"
@@ -46,7 +47,8 @@ class DkdvConfig:
     block_m: int  # queries per step (streamed)
     block_n: int  # keys per CTA (resident)
     num_warps: int
-    causal: bool
+    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
+    score_mod: bool  # softcap / ALiBi
     atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
     wgmma: bool  # the sm_90a warpgroup path instead of mma.sync
 
@@ -54,14 +56,15 @@ class DkdvConfig:
 @dataclass(frozen=True)
 class DqConfig:
     """One deterministic dQ variant: the template arguments of
-    ``flash_bwd_dq_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>``, in order."""
+    ``flash_bwd_dq_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod>``, in order."""
 
     dtype: str
     head_dim: int
     block_m: int  # queries per CTA (resident)
     block_n: int  # keys per step (streamed)
     num_warps: int
-    causal: bool
+    mask: int
+    score_mod: bool
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,13 @@ _DQ_TILES = {
 }
 
 
+#: Register spill (bytes, stores + loads, per ptxas 13.0) a dK/dV variant may show; keyed by (arch, head-dim
+#: bucket, mask kind, score_mod, atomic_dq); anything above fails tests/test_build.py. The one entry: D128 on
+#: wgmma with a score modifier and the atomic dQ step, no mask (36 + 48 bytes; the same kernel under the
+#: causal or general mask allocates spill-free). It stays on wgmma rather than the spill-free mma.sync
+#: tile until the two are timed against each other.
+SPILL_ALLOWANCE: dict = {(90, 128, 0, True, True): 84}
+
 #: Head-dim buckets whose dK/dV kernel runs on wgmma on sm_90a: whole 64-column panels, split evenly
 #: between the two warpgroups at head dim 256. The wgmma path reads each shared-memory operand once per
 #: warpgroup instead of once per warp; the mma.sync path is bound by shared-memory bandwidth (ncu, D128:
@@ -149,8 +159,11 @@ _DQ_TILES = {
 WGMMA_BUCKETS = (64, 128, 256)
 
 
-def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
-    """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path."""
+def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: bool = False) -> bool:
+    """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path. Not at D64 with a
+    score modifier: its 128-query tile would add 64 registers of softcap factors to 192 accumulators."""
+    if score_mod and head_dim_bucket == 64:
+        return False
     return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
@@ -166,15 +179,23 @@ def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
 _DKDV_TILES_WGMMA = {64: (128, 128, 8), 128: (64, 128, 8), 256: (64, 64, 8)}
 
 
-def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: bool = False) -> BwdTile:
     """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the tables' comments.
 
     Causal uses the same tiles: only the diagonal blocks pay for the mask, and smaller tiles would not
-    shorten the (already longest-first) schedule enough to pay for more barriers per FLOP.
+    shorten the (already longest-first) schedule enough to pay for more barriers per FLOP. A score
+    modifier keeps its backward factor per score (softcap), which moves D32 and D64 to smaller tiles.
     """
     del causal
-    if uses_wgmma(arch, head_dim_bucket):
+    if uses_wgmma(arch, head_dim_bucket, score_mod):
         return BwdTile(*_DKDV_TILES_WGMMA[head_dim_bucket])
+    if score_mod and head_dim_bucket == 32:
+        # The softcap factors of 128 queries (32 registers) push the 128 x 128 tile past 255 (28 bytes of
+        # spill, sm_90a); 64 queries: 191 registers.
+        return BwdTile(64, 128, 8)
+    if score_mod and head_dim_bucket in (96, 128) and _tier(arch) != "small":
+        # mma.sync (sm_80; sm_90a keeps D128 on wgmma): 64 queries spill 12-124 bytes with the factors.
+        return BwdTile(32, 128, 8)
     return BwdTile(*_DKDV_TILES[_tier(arch)][head_dim_bucket])
 
 
@@ -233,22 +254,22 @@ def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
                          SMALL_NUM_WARPS * 32, 0)
 
 
-def dkdv_variant(arch: int, dtype: str, bucket: int, causal: bool, atomic_dq: bool) -> KernelVariant:
-    tile = tile_sm80(arch, bucket, causal)
+def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: bool = False) -> KernelVariant:
+    tile = tile_sm80(arch, bucket, mask != 0, score_mod)
     smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dkdv_kernel",
-        DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal), bool(atomic_dq),
-                   uses_wgmma(arch, bucket)),
+        DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), bool(score_mod),
+                   bool(atomic_dq), uses_wgmma(arch, bucket, score_mod)),
         tile.num_warps * 32, smem), arch)
 
 
-def dq_variant(arch: int, dtype: str, bucket: int, causal: bool) -> KernelVariant:
-    tile = dq_tile_sm80(arch, bucket, causal)
+def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: bool = False) -> KernelVariant:
+    tile = dq_tile_sm80(arch, bucket, mask != 0)
     smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dq_kernel",
-        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, bool(causal)),
+        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), bool(score_mod)),
         tile.num_warps * 32, smem), arch)
 
 
@@ -266,13 +287,13 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) ->
     group), but the grid has G times fewer, G times longer blocks. Without a causal mask every block has
     the same work, and the model is whole waves of blocks (``ceil(blocks / num_sms) * G`` steps of one
     block_m x block_n tile of the five GEMMs) plus the partials' write-and-reduce traffic; ties go to the
-    larger G. With a causal mask blocks differ (the triangle) and merging heads lengthens the longest ones:
-    one head per block. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
+    larger G. With a causal (or general) mask blocks differ (the triangle, a sparse pattern) and merging
+    heads lengthens the longest ones: one head per block. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
     H8 D256 full 187 / 208 / 140 / 83 (G = 2 picked), causal 107 / 110 / 71 / 42; GQA 32/8 B4 S4k D128 full
     386 / 398 / 410 (G = 4: no partials, no reduce), causal 340 / 323 / 329.
     """
     group = shape.num_heads // shape.num_heads_k
-    if group == 1 or shape.causal:
+    if group == 1 or shape.skips_blocks:
         return 1
     key_blocks = _ceil_div(shape.seqlen_k, block_n)
     steps = _ceil_div(shape.seqlen_q, block_m)  # query blocks each block walks, per head
@@ -299,16 +320,28 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     bucket = shape.head_dim_bucket
     b, h, hk = shape.batch, shape.num_heads, shape.num_heads_k
     sq, sk = shape.seqlen_q, shape.seqlen_k
-    dtype, causal = shape.dtype, shape.causal
+    dtype, mask, mod = shape.dtype, shape.mask_kind, shape.score_mod
+    general = mask == MASK_GENERAL
 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
-    dkdv = dkdv_variant(arch, dtype, bucket, causal, atomic_dq=not deterministic)
+    scratch = [("softmax_d", (b, h, sq))]
+    fields = []
+    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
+    if general:  # the query blocks of each key block
+        pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dkdv.config.block_m, dkdv.config.block_n, True)
+        launches.append(pre)
+        scratch.append(lists)
+        fields += list_fields
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
     heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
-    scratch = [("softmax_d", (b, h, sq))]
     if deterministic:
-        dq = dq_variant(arch, dtype, bucket, causal)
+        dq = dq_variant(arch, dtype, bucket, mask, mod)
+        if general:  # the key blocks of each query block
+            pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dq.config.block_m, dq.config.block_n, False)
+            launches.append(pre)
+            scratch.append(lists)
+            fields += list_fields
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
@@ -317,7 +350,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, REDUCE_BLOCK_ROWS), hk, b)))
         scratch.append(("dk_accum", (b, h // heads, sk, bucket)))
         scratch.append(("dv_accum", (b, h // heads, sk, bucket)))
-    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(("dkdv_heads", heads),))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(("dkdv_heads", heads), *fields))
 
 
 def all_variants(arch: int) -> list:
@@ -330,8 +363,9 @@ def all_variants(arch: int) -> list:
             out.append(preprocess_variant(dtype, bucket))
             out.append(convert_dq_variant(dtype, bucket))
             out.append(reduce_dkdv_variant(dtype, bucket))
-            for causal in (False, True):
-                out.append(dkdv_variant(arch, dtype, bucket, causal, atomic_dq=True))
-                out.append(dkdv_variant(arch, dtype, bucket, causal, atomic_dq=False))
-                out.append(dq_variant(arch, dtype, bucket, causal))
+            for mask in MASK_KINDS:
+                for mod in (False, True):
+                    out.append(dkdv_variant(arch, dtype, bucket, mask, True, mod))
+                    out.append(dkdv_variant(arch, dtype, bucket, mask, False, mod))
+                    out.append(dq_variant(arch, dtype, bucket, mask, mod))
     return out

@@ -1,7 +1,8 @@
 """Plan for the tensor-core forward of ``cuda_src/flash_fwd.cu`` (fp16 / bf16, sm_80 and later).
 
-One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch. A variant is
-``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``; each warp
+One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch; under the general mask (window, segment or
+block ids) the block-list pre-pass (``block_lists``) goes first. A variant is
+``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod, kWgmma>``; each warp
 owns ``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream
 through ``kStages`` shared-memory buffers each.
 
@@ -31,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import block_lists
 
 SOURCE = "flash_fwd.cu"
 KERNEL_NAME = "cuflash::flash_fwd_kernel"
@@ -43,7 +45,7 @@ KB = 1024
 @dataclass(frozen=True)
 class FwdConfig:
     """One forward variant. The fields, in this order, are the template arguments of
-    ``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kIsCausal, kWgmma>``
+    ``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod, kWgmma>``
     (``cuflash.build.render_name`` renders them)."""
 
     dtype: str  # "float16" or "bfloat16"
@@ -52,7 +54,8 @@ class FwdConfig:
     block_n: int  # keys per mainloop step
     num_warps: int
     stages: int  # K / V shared-memory buffers each
-    causal: bool
+    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
+    score_mod: bool  # softcap / ALiBi
     wgmma: bool  # the sm_90a warpgroup mainloop instead of mma.sync
 
 
@@ -61,7 +64,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 #: Register spill (bytes, stores + loads, per ptxas) a variant may show because a measurement chose
-#: its tile over a spill-free one; keyed by (arch, head-dim bucket, causal). Anything above fails
+#: its tile over a spill-free one; keyed by (arch, head-dim bucket, mask kind, score_mod). Anything above fails
 #: tests/test_build.py. Empty: the one entry it held (sm_90a D128 mma.sync 128x64x1, 16 / 40 bytes) went
 #: with that variant when sm_90a D128 moved to the wgmma mainloop, which spills nothing.
 SPILL_ALLOWANCE: dict = {}
@@ -81,7 +84,7 @@ def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) ->
     return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
 
 
-def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the mma.sync mainloop for one head-dim bucket on ``arch``.
 
     On arch 90 the buckets of WGMMA_BUCKETS take :func:`tile_sm90_wgmma` instead; the "big" rows below
@@ -96,7 +99,10 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
     shared memory then feeds two mma's, which keeps ldmatrix traffic under the shared-memory
     bandwidth; from D160 on the output rows alone exceed the rule at kMTiles = 2, so those warps
     own 16 rows. Causal uses the non-causal tiles except on sm_86 / sm_89 (as FlashAttention-2): the
-    longest-first grid order already balances the triangle.
+    longest-first grid order already balances the triangle. ``heavy`` (the general mask or a score
+    modifier: ids, tanh and slopes on top of the accumulators) moves D64 off the 128-key tile, which
+    sits at 255 registers already and spills with them (ptxas 13.0, sm_90a: 88-152 bytes), and D32 off
+    its 128-key tile too (36-48 bytes).
     """
     caps = arch_caps(arch)
     if not caps.has_cp_async:
@@ -104,16 +110,16 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> tuple:
     per_block = caps.smem_per_block
     if per_block >= 160 * KB:  # A100 and H100 class
         big = per_block >= 200 * KB  # H100 / B200
-        if head_dim_bucket <= 32:
+        if head_dim_bucket <= 32 and not heavy:
             # 4 warps x 32 rows x 128 keys: acc 32 + S 128. 2 stages: 40 KB, two CTAs per SM.
             return 128, 128, 4, 2
-        if head_dim_bucket <= 64 and big:
+        if head_dim_bucket <= 64 and big and not heavy:
             # Measured (H200, bf16, 2026-11-21, scratch tile sweep): 128 x 128 keys with 2 stages beat
             # 128 x 64 by 13-15% at S 1k/4k/16k (332 vs 289 TFLOPS at 4k): half the barriers and
             # softmax rescales per FLOP. 255 registers, 0 spills on sm_90a; 80 KB, two CTAs per SM.
             return 128, 128, 4, 2
         if head_dim_bucket <= 96:
-            # 4 warps x 32 rows x 64 keys: acc 64 / 96 + S 64. 2 stages: 48 / 72 KB, two CTAs per SM
+            # 4 warps x 32 rows x 64 keys: acc 64 / 96 + S 64 (and the heavy D32 / D64 variants). 2 stages: 48 / 72 KB, two CTAs per SM
             # (the register file holds exactly two 128-thread CTAs at 255 registers). On sm_80 the
             # 128-key tile spills 40 bytes in the causal variant, and it is unmeasured there.
             return 128, 64, 4, 2
@@ -182,7 +188,7 @@ def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
     return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
-def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> KernelVariant:
+def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: bool = False) -> KernelVariant:
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
@@ -191,26 +197,30 @@ def variant(dtype: str, head_dim_bucket: int, causal: bool, arch: int) -> Kernel
     if wgmma:
         block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket)
     else:
-        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, causal)
+        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, mask != 0, mask == MASK_GENERAL or score_mod)
     smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
     per_block = arch_caps(arch).smem_per_block
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
-    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, bool(causal), wgmma)
+    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(mask), bool(score_mod), wgmma)
     return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem)
 
 
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
-    """One launch, grid (ceil(Sq / kBlockM), H, B); no scratch."""
-    v = variant(shape.dtype, shape.head_dim_bucket, shape.causal, arch)
+    """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first."""
+    v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod)
     grid = (_cdiv(shape.seqlen_q, v.config.block_m), shape.num_heads, shape.batch)
-    return Plan(launches=(Launch(v, grid),))
+    if shape.mask_kind != MASK_GENERAL:
+        return Plan(launches=(Launch(v, grid),))
+    lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k, v.config.block_m,
+                                                   v.config.block_n, transposed=False)
+    return Plan(launches=(lists, Launch(v, grid)), scratch=(scratch,), fields=fields)
 
 
 def all_variants(arch: int) -> list:
-    """fp16 / bf16 x every head-dim bucket x causal or not (none before sm_80)."""
+    """fp16 / bf16 x every head-dim bucket x mask kind x score modifier or not (none before sm_80)."""
     if not arch_caps(arch).has_cp_async:
         return []
-    return [variant(dtype, bucket, causal, arch)
-            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for causal in (False, True)]
+    return [variant(dtype, bucket, mask, arch, score_mod)
+            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in (False, True)]

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import arch as _arch
-from . import HEAD_DIM_BUCKETS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import block_lists
 
 SOURCE = "flash_simt.cu"
 THREADS = 256  # simt::kThreads
@@ -38,12 +39,13 @@ MAX_SMEM_BYTES = _arch.min_smem_per_block()
 @dataclass(frozen=True)
 class SimtConfig:
     """One tiled SIMT variant (forward, dK/dV or dQ): the template arguments of
-    ``flash_{fwd,bwd_dkdv,bwd_dq}_simt_kernel<kHeadDim, kBlockM, kBlockN, kIsCausal>``, in order."""
+    ``flash_{fwd,bwd_dkdv,bwd_dq}_simt_kernel<kHeadDim, kBlockM, kBlockN, kMask, kScoreMod>``, in order."""
 
     head_dim: int  # the head-dim bucket
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile
-    causal: bool
+    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
+    score_mod: bool  # softcap / ALiBi
 
 
 @dataclass(frozen=True)
@@ -121,24 +123,27 @@ def dq_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
 
 # --- variants -----------------------------------------------------------------------------------
 
-def _tiled(name: str, head_dim: int, tiles: tuple, smem_bytes, causal: bool) -> KernelVariant:
+def _tiled(name: str, head_dim: int, tiles: tuple, smem_bytes, mask: int, score_mod: bool) -> KernelVariant:
     block_m, block_n = tiles
     smem = smem_bytes(head_dim, block_m, block_n)
     if smem > MAX_SMEM_BYTES:  # a tile-table edit that breaks the promise fails here, on the CPU
         raise AssertionError(f"{name}<{head_dim}, {block_m}, {block_n}> needs {smem=} > {MAX_SMEM_BYTES}")
-    return KernelVariant(SOURCE, name, SimtConfig(head_dim, block_m, block_n, bool(causal)), THREADS, smem)
+    return KernelVariant(SOURCE, name, SimtConfig(head_dim, block_m, block_n, int(mask), bool(score_mod)), THREADS,
+                         smem)
 
 
-def forward_variant(head_dim: int, causal: bool) -> KernelVariant:
-    return _tiled("cuflash::flash_fwd_simt_kernel", head_dim, forward_tiles(head_dim), forward_smem_bytes, causal)
+def forward_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+    return _tiled("cuflash::flash_fwd_simt_kernel", head_dim, forward_tiles(head_dim), forward_smem_bytes, mask,
+                  score_mod)
 
 
-def dkdv_variant(head_dim: int, causal: bool) -> KernelVariant:
-    return _tiled("cuflash::flash_bwd_dkdv_simt_kernel", head_dim, dkdv_tiles(head_dim), dkdv_smem_bytes, causal)
+def dkdv_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+    return _tiled("cuflash::flash_bwd_dkdv_simt_kernel", head_dim, dkdv_tiles(head_dim), dkdv_smem_bytes, mask,
+                  score_mod)
 
 
-def dq_variant(head_dim: int, causal: bool) -> KernelVariant:
-    return _tiled("cuflash::flash_bwd_dq_simt_kernel", head_dim, dq_tiles(head_dim), dq_smem_bytes, causal)
+def dq_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+    return _tiled("cuflash::flash_bwd_dq_simt_kernel", head_dim, dq_tiles(head_dim), dq_smem_bytes, mask, score_mod)
 
 
 def preprocess_variant(head_dim: int) -> KernelVariant:
@@ -159,11 +164,15 @@ def _check(shape: ProblemShape, arch: int) -> None:
 # --- plans --------------------------------------------------------------------------------------
 
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
-    """One launch, grid (ceil(Sq / kBlockM), H, B); no scratch."""
+    """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first."""
     _check(shape, arch)
-    variant = forward_variant(shape.head_dim_bucket, shape.causal)
+    variant = forward_variant(shape.head_dim_bucket, shape.mask_kind, shape.score_mod)
     grid = (_cdiv(shape.seqlen_q, variant.config.block_m), shape.num_heads, shape.batch)
-    return Plan(launches=(Launch(variant, grid),))
+    if shape.mask_kind != MASK_GENERAL:
+        return Plan(launches=(Launch(variant, grid),))
+    lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k,
+                                                   variant.config.block_m, variant.config.block_n, False)
+    return Plan(launches=(lists, Launch(variant, grid)), scratch=(scratch,), fields=fields)
 
 
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int | None = None) -> Plan:
@@ -176,29 +185,38 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     _check(shape, arch)
     bucket = shape.head_dim_bucket
     b, h, h_kv, sq, sk = shape.batch, shape.num_heads, shape.num_heads_k, shape.seqlen_q, shape.seqlen_k
-    dkdv = dkdv_variant(bucket, shape.causal)
-    dq = dq_variant(bucket, shape.causal)
-    launches = [
-        Launch(preprocess_variant(bucket), (_cdiv(sq, PREP_ROWS), h, b)),
-        Launch(dkdv, (_cdiv(sk, dkdv.config.block_n), h, b)),
-    ]
+    dkdv = dkdv_variant(bucket, shape.mask_kind, shape.score_mod)
+    dq = dq_variant(bucket, shape.mask_kind, shape.score_mod)
+    launches = [Launch(preprocess_variant(bucket), (_cdiv(sq, PREP_ROWS), h, b))]
     scratch = [("softmax_d", (b, h, sq))]
+    fields = []
+    general = shape.mask_kind == MASK_GENERAL
+    if general:  # the query blocks of each key block (dK/dV), the key blocks of each query block (dQ)
+        for kernel, transposed in ((dkdv, True), (dq, False)):
+            pre, lists, list_fields = block_lists.lists_for(b, sq, sk, kernel.config.block_m, kernel.config.block_n,
+                                                            transposed)
+            launches.append(pre)
+            scratch.append(lists)
+            fields += list_fields
+    launches.append(Launch(dkdv, (_cdiv(sk, dkdv.config.block_n), h, b)))
     if h != h_kv:
         launches.append(Launch(reduce_variant(bucket), (_cdiv(sk, REDUCE_ROWS), h_kv, b)))
         scratch += [("dk_accum", (b, h, sk, bucket)), ("dv_accum", (b, h, sk, bucket))]
     launches.append(Launch(dq, (_cdiv(sq, dq.config.block_m), h, b)))
-    return Plan(launches=tuple(launches), scratch=tuple(scratch))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=tuple(fields))
 
 
 def all_variants(arch: int) -> list:
-    """Every SIMT kernel variant: each head-dim bucket x causal for the tiled kernels, each bucket for
+    """Every SIMT kernel variant: each head-dim bucket x mask kind x modifier for the tiled kernels, each bucket for
     the pre-pass and the reduce. All fit MAX_SMEM_BYTES, so the list is the same on every arch from
     sm_80 on."""
     if not _arch.arch_caps(arch).has_cp_async:
         return []
     out = []
     for head_dim in HEAD_DIM_BUCKETS:
-        for causal in (False, True):
-            out += [forward_variant(head_dim, causal), dkdv_variant(head_dim, causal), dq_variant(head_dim, causal)]
+        for mask in MASK_KINDS:
+            for mod in (False, True):
+                out += [forward_variant(head_dim, mask, mod), dkdv_variant(head_dim, mask, mod),
+                        dq_variant(head_dim, mask, mod)]
         out += [preprocess_variant(head_dim), reduce_variant(head_dim)]
     return out

@@ -1,0 +1,149 @@
+// Pre-pass of the general mask (cuda_src/cuflash/mask.cuh, GeneralMask): per-block visit lists, so the
+// attention kernels never load a tile no pair of which is visible, and run the per-element test only on
+// tiles that may hold a hidden pair (FlexAttention's block mask, built on the GPU per call).
+//
+// One CTA per (outer block, batch); the lists do not depend on the head. Not transposed (forward, dQ):
+// outer blocks are query blocks of kOuter rows, inner blocks key blocks of kInner keys, written to
+// params.kv_blocks. Transposed (dK / dV): outer = key blocks, inner = query blocks, to params.q_blocks.
+// List row (b, outer) = [count, entries ascending], entry = (inner block << 1) | partial; the row is
+// params.*_blocks_stride = (inner blocks + 1) ints long, and entries past count are never written or read.
+//
+// A tile is classified from ranges only, conservatively: the window through its first / last row and key,
+// segment and block ids through the min / max id of its rows and of its keys. "Skip" needs proof that no
+// pair is visible; "full" needs proof that every pair is, and a tile crossing the end of the queries or
+// keys is never full (the mask then also hides the zero-filled rows past Sq / Sk).
+
+#include "cuflash/params.cuh"
+#include "cuflash/mask.cuh"
+
+namespace cuflash {
+
+constexpr int kListThreads = 128;
+constexpr int kIntMax = 0x7fffffff;
+
+// min / max of ids[r0, r1) (r0 < r1), one thread.
+__device__ __forceinline__ int2 id_range(const int* ids, int r0, int r1) {
+    int2 range = make_int2(kIntMax, -kIntMax - 1);
+    for (int r = r0; r < r1; ++r) {
+        const int id = __ldg(ids + r);
+        range.x = min(range.x, id);
+        range.y = max(range.y, id);
+    }
+    return range;
+}
+
+// min / max of ids[r0, r1) over the whole CTA (every thread gets the result).
+__device__ __forceinline__ int2 block_id_range(const int* ids, int r0, int r1) {
+    __shared__ int2 s_warp[kListThreads / 32];
+    int2 range = make_int2(kIntMax, -kIntMax - 1);
+    for (int r = r0 + static_cast<int>(threadIdx.x); r < r1; r += kListThreads) {
+        const int id = __ldg(ids + r);
+        range.x = min(range.x, id);
+        range.y = max(range.y, id);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        range.x = min(range.x, __shfl_xor_sync(0xffffffffu, range.x, offset));
+        range.y = max(range.y, __shfl_xor_sync(0xffffffffu, range.y, offset));
+    }
+    __syncthreads();  // s_warp may still be read by a previous call
+    if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = range;
+    __syncthreads();
+    range = s_warp[0];
+#pragma unroll
+    for (int w = 1; w < kListThreads / 32; ++w) {
+        range.x = min(range.x, s_warp[w].x);
+        range.y = max(range.y, s_warp[w].y);
+    }
+    return range;
+}
+
+// The tile's id ranges: x = min, y = max, of the query rows (q) and of the keys (k).
+struct TileIds {
+    int2 q_seg, k_seg, q_blk, k_blk;
+};
+
+enum TileClass : int { kSkipTile = 0, kPartialTile = 1, kFullTile = 2 };
+
+// Query rows [r0, r1) x keys [c0, c1) (both non-empty, inside the sequences); `tail`: the tile as the
+// kernels see it extends past Sq or Sk.
+__device__ __forceinline__ int classify(const GeneralMask& m, int r0, int r1, int c0, int c1, bool tail,
+                                        const TileIds& ids) {
+    const AttnParams& p = m.p;
+    const int d_min = c0 - (r1 - 1) - p.causal_offset;  // smallest j - i - offset in the tile
+    const int d_max = (c1 - 1) - r0 - p.causal_offset;  // largest
+    bool any = d_min <= p.window_right && d_max >= -p.window_left;
+    bool all = d_max <= p.window_right && d_min >= -p.window_left;
+    if (p.q_segment_ids != nullptr) {
+        any = any && ids.q_seg.y >= ids.k_seg.x && ids.k_seg.y >= ids.q_seg.x;
+        all = all && ids.q_seg.x == ids.q_seg.y && ids.k_seg.x == ids.k_seg.y && ids.q_seg.x == ids.k_seg.x;
+    }
+    if (p.q_block_ids != nullptr) {
+        any = any && ids.k_blk.x <= ids.q_blk.y;
+        all = all && ids.k_blk.y <= ids.q_blk.x;
+    }
+    return !any ? kSkipTile : (all && !tail ? kFullTile : kPartialTile);
+}
+
+template <int kOuter, int kInner, bool kTransposed>
+__global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const AttnParams params) {
+    constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
+    constexpr int kKRows = kTransposed ? kOuter : kInner;
+    const int outer = blockIdx.x, b = blockIdx.z;
+    const GeneralMask m(params, b);
+    const int outer_len = kTransposed ? params.seqlen_k : params.seqlen_q;
+    const int inner_len = kTransposed ? params.seqlen_q : params.seqlen_k;
+    const int n_inner = ceil_div(inner_len, kInner);
+    int* row = const_cast<int*>(kTransposed ? m.q_list(outer) : m.kv_list(outer));
+    const int o0 = outer * kOuter, o1 = min(o0 + kOuter, outer_len);
+    // This batch's ids (null when not given).
+    const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + b * params.q_segment_batch_stride;
+    const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + b * params.k_segment_batch_stride;
+    const int* q_blk = params.q_block_ids == nullptr ? nullptr : params.q_block_ids + b * params.q_block_batch_stride;
+    const int* k_blk = params.k_block_ids == nullptr ? nullptr : params.k_block_ids + b * params.k_block_batch_stride;
+
+    // The outer block's id ranges, once.
+    TileIds ids{};
+    const int* outer_seg = kTransposed ? k_seg : q_seg;
+    const int* outer_blk = kTransposed ? k_blk : q_blk;
+    if (outer_seg != nullptr) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(outer_seg, o0, o1);
+    if (outer_blk != nullptr) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(outer_blk, o0, o1);
+
+    __shared__ int s_counts[kListThreads / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int base = 0;
+    for (int chunk = 0; chunk < n_inner; chunk += kListThreads) {  // uniform trip count
+        const int i = chunk + static_cast<int>(threadIdx.x);
+        int cls = kSkipTile;
+        if (i < n_inner) {
+            const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
+            const int* inner_seg = kTransposed ? q_seg : k_seg;
+            const int* inner_blk = kTransposed ? q_blk : k_blk;
+            TileIds tile = ids;
+            if (inner_seg != nullptr) (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1);
+            if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1);
+            const int r0 = kTransposed ? i0 : o0, r1 = kTransposed ? i1 : o1;
+            const int c0 = kTransposed ? o0 : i0, c1 = kTransposed ? o1 : i1;
+            const bool tail = r0 + kQRows > params.seqlen_q || c0 + kKRows > params.seqlen_k;
+            cls = classify(m, r0, r1, c0, c1, tail, tile);
+        }
+        // Compact the visited blocks in ascending order: a warp's ballot, then the warps before it.
+        const unsigned visited = __ballot_sync(0xffffffffu, cls != kSkipTile);
+        if (lane == 0) s_counts[warp] = __popc(visited);
+        __syncthreads();
+        int offset = base, total = 0;
+#pragma unroll
+        for (int w = 0; w < kListThreads / 32; ++w) {
+            offset += w < warp ? s_counts[w] : 0;
+            total += s_counts[w];
+        }
+        if (cls != kSkipTile) {
+            row[1 + offset + __popc(visited & ((1u << lane) - 1u))] = (i << 1) | (cls == kPartialTile ? 1 : 0);
+        }
+        base += total;
+        __syncthreads();  // s_counts is rewritten by the next chunk
+    }
+    if (threadIdx.x == 0) row[0] = base;
+}
+
+}  // namespace cuflash

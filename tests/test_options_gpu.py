@@ -1,0 +1,230 @@
+"""Attention options on a GPU: sliding window, softcap, ALiBi, segment ids and block ids, alone and
+combined, forward and backward against the float64 reference (gpu_utils' rule, NaN-poisoned buffers).
+
+- ``test_options``: every option alone and the pairs models use (window + causal, softcap + ALiBi,
+  segment ids + causal, block ids + window, segment + block ids, softcap + segment ids, ALiBi + window,
+  ...) plus everything at once, x fp16 / bf16 / fp32, over odd shapes (Sq, Sk not multiples of 64,
+  Sq != Sk both ways, GQA 6/2, MQA, head dims 40 .. 256, Dv != D once), some with dlse and some
+  deterministic; two cases at ~1000 tokens.
+- Rows with nothing visible (ids found only in q, a zero-width window with Sq > Sk, block ids below
+  every key's, ids that never match): out exactly 0, lse -inf, dq 0, dk = dv = 0 for keys nobody sees,
+  never NaN, with dlse too.
+- deterministic=True backward bit-identical across runs with options; the ids and slopes arrays are
+  not written; ``cuflash.attention`` and a ``backward_workspace`` computed with the options agree
+  bit for bit with the plain calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+import gpu_utils as gu  # noqa: E402
+from gpu_utils import poisoned_allocations  # noqa: E402,F401  (autouse: CuPy allocations start as NaN)
+from gpu_utils import Problem  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _precompiled(request):
+    gu.announce_precompile(request.config)
+
+
+# --------------------------------------------------------------------------------------------
+# Each option alone, the common pairs, everything at once
+# --------------------------------------------------------------------------------------------
+
+#: name -> Problem fields. Softcaps below the logits' size (std ~1 at the default scale) so tanh bends.
+OPTION_SETS = {
+    "window": dict(window=(37, 5)),
+    "window-left": dict(window=(20, None)),
+    "window-right": dict(window=(None, 11)),
+    "window+causal": dict(causal=True, window=(33, None)),
+    "softcap": dict(softcap=2.0),
+    "softcap-saturated": dict(softcap=5.0, scale=0.5),  # logits of std ~4 .. 8 against a cap of 5
+    "alibi": dict(alibi="h"),
+    "alibi-batch+causal": dict(alibi="bh", causal=True),
+    "segments": dict(segments="docs"),
+    "segments+causal": dict(segments="docs", causal=True),
+    "segments-random": dict(segments="random"),
+    "blocks": dict(blocks="blocks"),
+    "blocks+window": dict(blocks="random", window=(40, 8)),
+    "segments+blocks": dict(segments="docs", blocks="blocks"),
+    "softcap+segments": dict(softcap=3.0, segments="docs", causal=True),
+    "softcap+alibi": dict(softcap=4.0, alibi="bh"),
+    "alibi+window": dict(alibi="h", window=(25, 25)),
+    "everything": dict(causal=True, window=(20, None), softcap=3.0, alibi="h", segments="docs",
+                       blocks="random"),
+}
+#: (B, Sq, Sk, H, Hkv, D, Dv): odd lengths both ways, GQA 6/2, MQA, MHA, head dims 40 .. 256, Dv != D.
+SHAPES = (
+    (2, 77, 77, 6, 2, 64, None),
+    (2, 100, 163, 4, 1, 128, None),
+    (1, 163, 100, 6, 2, 40, None),
+    (2, 130, 95, 2, 2, 256, None),
+    (1, 91, 200, 6, 6, 96, None),
+    (2, 129, 65, 4, 2, 128, 64),
+)
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+def _option_problems():
+    problems = []
+    for index, (name, fields) in enumerate(OPTION_SETS.items()):
+        for offset, dtype in enumerate(DTYPES):
+            b, sq, sk, h, hkv, d, dv = SHAPES[(index + 2 * offset) % len(SHAPES)]
+            problems.append(Problem(dtype, B=b, Sq=sq, Sk=sk, H=h, Hkv=hkv, D=d, Dv=dv,
+                                    deterministic=(index + offset) % 2 == 1,
+                                    dlse=(index + offset) % 3 == 0, **fields))
+    # ~1000 tokens: a long sliding window with ALiBi (GQA), packed documents with a softcap (MQA)
+    problems.append(Problem("bf16", B=1, Sq=1000, Sk=1000, H=8, Hkv=2, D=128, causal=True,
+                            window=(256, None), alibi="h"))
+    problems.append(Problem("fp16", B=1, Sq=777, Sk=1000, H=4, Hkv=1, D=64, causal=True,
+                            softcap=3.0, segments="docs", deterministic=True))
+    return problems
+
+
+OPTION_PROBLEMS = _option_problems()
+
+
+@pytest.mark.parametrize("p", OPTION_PROBLEMS, ids=gu.problem_ids(OPTION_PROBLEMS))
+def test_options(p):
+    gu.check_attention(p)
+
+
+# --------------------------------------------------------------------------------------------
+# Rows (and keys) with nothing visible
+# --------------------------------------------------------------------------------------------
+
+def _disjoint_ids(p: Problem, x: gu.Inputs) -> gu.Inputs:
+    """Segment ids that never match: every row sees nothing, every gradient is 0."""
+    q_ids = cupy.zeros((p.B, p.Sq), dtype=cupy.int32)
+    k_ids = cupy.ones((p.B, p.Sk), dtype=cupy.int32)
+    return dataclasses.replace(x, segment_ids=(q_ids, k_ids))
+
+
+def _low_block_rows(p: Problem, x: gu.Inputs) -> gu.Inputs:
+    """Block ids aligned as usual, but the first third of the query rows below every key's block id."""
+    q_ids, k_ids = (ids.copy() for ids in x.block_ids)
+    q_ids[:, : p.Sq // 3] = k_ids.min() - 1
+    return dataclasses.replace(x, block_ids=(q_ids, k_ids))
+
+
+# (problem, how its inputs are changed after drawing, or None)
+EMPTY_CASES = (
+    # ids found only in q (a run of rows per batch), with dlse: those rows see nothing
+    (Problem("bf16", B=2, Sq=150, Sk=130, H=6, Hkv=2, D=64, segments="qonly", dlse=True), None),
+    (Problem("fp32", B=2, Sq=90, Sk=120, H=4, Hkv=1, D=40, segments="qonly", causal=True,
+             deterministic=True), None),
+    # zero-width window with Sq > Sk: rows i < Sq - Sk see nothing, every other row exactly one key
+    (Problem("fp16", B=2, Sq=200, Sk=70, H=4, Hkv=2, D=128, window=(0, 0), dlse=True), None),
+    # the same with Sq < Sk: keys j < Sk - Sq are seen by nobody
+    (Problem("bf16", B=1, Sq=70, Sk=200, H=4, Hkv=4, D=64, window=(0, 0), softcap=2.0), None),
+    # block ids below every key's block (plus ALiBi, which must not leak into hidden rows)
+    (Problem("fp16", B=2, Sq=99, Sk=99, H=6, Hkv=2, D=64, blocks="blocks", alibi="bh", dlse=True),
+     _low_block_rows),
+    # nothing visible anywhere
+    (Problem("bf16", B=2, Sq=65, Sk=130, H=2, Hkv=1, D=64, segments="docs", dlse=True,
+             deterministic=True), _disjoint_ids),
+)
+
+
+@pytest.mark.parametrize("p,change", EMPTY_CASES, ids=[p.id for p, _ in EMPTY_CASES])
+def test_rows_and_keys_that_see_nothing(p, change):
+    """Out 0, lse -inf and dq 0 for rows that see no key; dk = dv = 0 for keys no row sees; the rest
+    held to the usual rule; never NaN."""
+    x = gu.make_inputs(p)
+    if change is not None:
+        x = change(p, x)
+    r = gu.check_attention(p, inputs=x)
+    visible = gu.visibility(p, x)
+    empty_rows = ~visible.any(axis=2)  # (B, Sq)
+    unseen_keys = ~visible.any(axis=1)  # (B, Sk)
+    assert bool(empty_rows.any() or unseen_keys.any()), f"{p.id}: every row sees a key, every key is seen"
+    out, lse, dq = gu.to_f64(r.out), gu.to_f64(r.lse), gu.to_f64(r.dq)
+    assert bool(cupy.all(out[empty_rows] == 0)), f"{p.id}: out of rows that see no key is not 0"
+    assert bool(cupy.all(dq[empty_rows] == 0)), f"{p.id}: dq of rows that see no key is not 0"
+    lse_rows = lse.transpose(0, 2, 1)  # (B, Sq, H)
+    assert bool(cupy.all(cupy.isneginf(lse_rows[empty_rows]))), f"{p.id}: lse of empty rows not -inf"
+    assert bool(cupy.all(cupy.isfinite(lse_rows[~empty_rows]))), f"{p.id}: lse of seeing rows not finite"
+    if bool(unseen_keys.any()):
+        for name in ("dk", "dv"):
+            grad = gu.to_f64(getattr(r, name))
+            assert bool(cupy.all(grad[unseen_keys] == 0)), f"{p.id}: {name} of keys nobody sees is not 0"
+
+
+# --------------------------------------------------------------------------------------------
+# Determinism, inputs left alone, the other entry points
+# --------------------------------------------------------------------------------------------
+
+DETERMINISM_PROBLEMS = (
+    Problem("bf16", B=2, Sq=300, Sk=300, H=6, Hkv=2, D=128, causal=True, window=(64, None),
+            segments="docs", alibi="bh", deterministic=True, dlse=True),
+    Problem("fp16", B=1, Sq=200, Sk=333, H=4, Hkv=1, D=64, softcap=3.0, blocks="blocks",
+            deterministic=True),
+    Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, window=(20, 20), segments="random",
+            softcap=2.0, deterministic=True),
+)
+RUNS = 3
+
+
+@pytest.mark.parametrize("p", DETERMINISM_PROBLEMS, ids=gu.problem_ids(DETERMINISM_PROBLEMS))
+def test_deterministic_backward_with_options(p):
+    """deterministic=True with options: every output bit-identical across runs (and correct)."""
+    x = gu.make_inputs(p)
+    first = gu.check_attention(p, inputs=x)
+    for run in range(1, RUNS):
+        again = gu.run_cuflash(p, x)
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert gu.bit_identical(getattr(again, name), getattr(first, name)), (
+                f"{p.id}: {name} of run {run} differs bitwise from run 0")
+
+
+def test_ids_and_slopes_are_not_modified():
+    """Forward and backward read alibi_slopes, segment_ids and block_ids without writing them."""
+    p = Problem("bf16", B=2, Sq=129, Sk=200, H=6, Hkv=2, D=64, causal=True, alibi="bh",
+                segments="docs", blocks="random")
+    x = gu.make_inputs(p)
+    arrays = {"alibi_slopes": x.alibi_slopes, "segment_ids[0]": x.segment_ids[0],
+              "segment_ids[1]": x.segment_ids[1], "block_ids[0]": x.block_ids[0],
+              "block_ids[1]": x.block_ids[1]}
+    before = {name: a.copy() for name, a in arrays.items()}
+    gu.run_cuflash(p, x)
+    cupy.cuda.Device().synchronize()
+    for name, a in arrays.items():
+        assert gu.bit_identical(a, before[name]), f"{name} was modified"
+
+
+def test_attention_wrapper_and_workspace_with_options():
+    """cuflash.attention with options equals attention_forward bit for bit; a backward into the
+    buffers backward_workspace sized for these options equals the self-allocating backward."""
+    p = Problem("bf16", B=2, Sq=129, Sk=127, H=6, Hkv=2, D=64, causal=True, window=(30, None),
+                softcap=3.0, alibi="h", segments="docs", blocks="blocks", deterministic=True)
+    x = gu.make_inputs(p)
+    options = gu.option_kwargs(p, x)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, causal=True, **options)
+    both = cuflash.attention(x.q, x.k, x.v, causal=True, return_lse=True, **options)
+    assert gu.bit_identical(cupy.asarray(both[0]), out) and gu.bit_identical(cupy.asarray(both[1]), lse)
+    assert gu.bit_identical(cupy.asarray(cuflash.attention(x.q, x.k, x.v, causal=True, **options)), out)
+
+    cuflash.prepare(x.q, x.k, x.v, causal=True, deterministic=True, **options)
+    shapes = cuflash.backward_workspace(x.q, x.k, x.v, causal=True, deterministic=True, **options)
+    workspace = {name: gu.nan_fill(cupy.empty(shape, dtype=cupy.float32))
+                 for name, shape in shapes.items()}
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=True,
+                                       deterministic=True, **options)
+    with_workspace = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=True,
+                                                deterministic=True, workspace=workspace, **options)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, with_workspace, strict=True):
+        assert gu.bit_identical(a, b), f"{name} with the workspace differs from the plain call's"
+    # and both are right (the workspace one equals the plain one bit for bit)
+    e = gu.expected_for(p, x)
+    report = gu.Report(f"{p.id} via attention / backward_workspace")
+    gu.check_forward(report, p, gu.Result(out, lse), e)
+    gu.check_backward(report, p, x, gu.Result(out, lse, *grads), e)
+    report.check()
+
