@@ -43,11 +43,12 @@ class Case:
     causal: bool
     deterministic: bool
     dlse: bool
+    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi (see _options)
 
     def __str__(self) -> str:
         return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
                 f"{' causal' if self.causal else ''}{' det' if self.deterministic else ''}"
-                f"{' dlse' if self.dlse else ''}  ({self.what})")
+                f"{' dlse' if self.dlse else ''}{' ' + self.options if self.options else ''}  ({self.what})")
 
 
 def cases(quick: bool = False) -> list:
@@ -60,8 +61,14 @@ def cases(quick: bool = False) -> list:
             Case("bucket 128 (the hot tile), several blocks, GQA", dtype, 1, 200, 333, 4, 2, 128, 128, True, False, False),
             Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),
             Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
+            Case("general mask: window + documents, GQA, block lists", dtype, 2, 150, 211, 4, 2, 64, 64, True,
+                 False, False, "window+segments"),
+            Case("block ids + softcap + ALiBi, MQA, deterministic", dtype, 1, 97, 300, 4, 1, 128, 128, False,
+                 True, True, "blocks+softcap+alibi"),
+            Case("many short documents, D 256", dtype, 1, 260, 260, 2, 1, 256, 256, False, False, False,
+                 "segments"),
         ]
-        out += per_dtype[:2] if quick else per_dtype
+        out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
 
 
@@ -96,6 +103,33 @@ def _nonfinite(x) -> int:
     return int(cupy.count_nonzero(~(cupy.isfinite(f) | cupy.isneginf(f))))
 
 
+def _options(case: Case, rng) -> dict:
+    """The score options of a case, as device arrays (documents / blocks of random lengths)."""
+    import cupy
+
+    def runs(n, count):  # nondecreasing ids in `count` runs over n positions
+        cuts = np.sort(rng.choice(np.arange(1, n), size=min(count, n) - 1, replace=False)) if n > 1 else []
+        return np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+
+    opts = {}
+    for name in filter(None, case.options.split("+")):
+        if name == "window":
+            opts["window"] = (40, 7)
+        elif name == "softcap":
+            opts["softcap"] = 5.0
+        elif name == "alibi":
+            opts["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, (case.B, case.H)).astype(np.float32))
+        elif name in ("segments", "blocks"):
+            ids = np.stack([runs(case.Sk, 9) for _ in range(case.B)])  # bottom-right: q takes the last Sq
+            pair = (cupy.asarray(np.ascontiguousarray(ids[:, case.Sk - case.Sq:]) if case.Sq <= case.Sk
+                                 else np.concatenate([np.zeros((case.B, case.Sq - case.Sk), np.int32), ids], 1)),
+                    cupy.asarray(ids))
+            opts["segment_ids" if name == "segments" else "block_ids"] = pair
+        else:
+            raise ValueError(f"unknown option {name!r} in case {case}")
+    return opts
+
+
 def run_case(case: Case, seed: int) -> int:
     import cupy
 
@@ -108,9 +142,10 @@ def run_case(case: Case, seed: int) -> int:
     v = _device_array(rng, (case.B, case.Sk, case.Hkv, case.Dv), dt)
     dout = _device_array(rng, (case.B, case.Sq, case.H, case.Dv), dt)
     dlse = cupy.asarray(rng.standard_normal((case.B, case.H, case.Sq), dtype=np.float32)) if case.dlse else None
-    out, lse = cuflash.attention_forward(q, k, v, causal=case.causal)
+    opts = _options(case, rng)
+    out, lse = cuflash.attention_forward(q, k, v, causal=case.causal, **opts)
     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
-                                            deterministic=case.deterministic)
+                                            deterministic=case.deterministic, **opts)
     cupy.cuda.Device().synchronize()
     bad = 0
     for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -130,7 +165,10 @@ def kernel_names(case_list, arch: int) -> list:
 
     names = set()
     for c in case_list:
-        shape = kernels.ProblemShape(c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.Dv, c.dtype, c.causal)
+        names_in = set(filter(None, c.options.split("+")))
+        shape = kernels.ProblemShape(c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.Dv, c.dtype, c.causal,
+                                     general_mask=bool(names_in & {"window", "segments", "blocks"}),
+                                     score_mod=bool(names_in & {"softcap", "alibi"}))
         for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, c.deterministic)):
             for launch in plan.launches:
                 names.add(launch.variant.name)
@@ -139,7 +177,7 @@ def kernel_names(case_list, arch: int) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two cases per dtype")
+    parser.add_argument("--quick", action="store_true", help="per dtype: the first two cases and the score-option ones")
     parser.add_argument("--list", action="store_true", help="print the cases and kernels, run nothing")
     parser.add_argument("--keep-pool", action="store_true", help="keep CuPy's memory pool (faster, blinder)")
     args = parser.parse_args(argv)
