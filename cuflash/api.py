@@ -19,7 +19,9 @@ from .kernels import ProblemShape
 MAX_CACHED_PLANS = 4096
 _forward_plans: dict = {}
 _backward_plans: dict = {}
-_SCRATCH_FIELDS = launch.POINTER_FIELDS[9:13]  # dq_accum, dk_accum, dv_accum, softmax_d
+_SCRATCH_FIELDS = launch.SCRATCH_FIELDS  # dq_accum, dk_accum, dv_accum, softmax_d, kv_blocks, q_blocks
+#: The score options' arrays, in POINTER_FIELDS order: (option, index in its pair or None).
+_OPTION_ARRAYS = (("segment_ids", 0), ("segment_ids", 1), ("block_ids", 0), ("block_ids", 1), ("alibi_slopes", None))
 
 
 def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_stream):
@@ -88,6 +90,41 @@ def _options_key(scale, causal, deterministic=False) -> tuple:
     return type(scale), scale, bool(causal), bool(deterministic)
 
 
+def _score_options_key(options: dict) -> tuple:
+    """``(key, pointers)`` of the score options: ``key`` holds everything their validation reads (types
+    and values of window / softcap, each array's key, each pair's type and length), ``pointers`` the five
+    option-array pointers in POINTER_FIELDS order (0 where absent). Raises (anything) for options the keys
+    do not cover (planned or unknown ones, unreadable arrays): the validating path then decides."""
+    if not options:
+        return None, None
+    if not set(options) <= set(validation.SCORE_OPTIONS):
+        raise KeyError("not a score option")
+    window = options.get("window")
+    window_key = None if window is None else (type(window), len(window), *((type(w), w) for w in window))
+    softcap = options.get("softcap")
+    keys, pointers = [window_key, (type(softcap), softcap)], []
+    for name, index in _OPTION_ARRAYS:
+        x = options.get(name)
+        if x is not None and index is not None:
+            if index == 0:
+                keys.append((type(x), len(x)))
+            x = x[index]
+        kx, px = array_key(x)
+        keys.append(kx)
+        pointers.append(px)
+    return tuple(keys), pointers
+
+
+def _carve(plan: launch.CallPlan, stream) -> tuple:
+    """One allocation holding every scratch buffer of ``plan``: ``(owner, {field: pointer})``."""
+    if not plan.scratch_bytes:
+        return None, {}
+    (owner,) = _allocate([((plan.scratch_bytes,), "uint8")], stream)
+    base = owner.data.ptr
+    return owner, {field: base + plan.scratch_offsets[i]
+                   for field, i in zip(_SCRATCH_FIELDS, plan.scratch_slots) if i is not None}
+
+
 def _stream_ptr(stream) -> int:
     """The raw handle of ``stream=`` (resolve_stream's rules, without building a stream object)."""
     if type(stream) is int:
@@ -130,23 +167,23 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     ``lse`` is the natural-log sum of exponentials of the scaled scores, ``-inf`` for a row that sees no
     key (whose output is 0). ``deterministic`` is accepted for symmetry: the forward always is.
     """
-    key = None
-    if not options:
-        try:
-            (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
-            (ko, po), (kl, pl) = array_key(out), array_key(lse)
-            key = (kq, kk, kv, ko, kl, _options_key(scale, causal))
-            plan = _forward_plans.get(key)
-        except Exception:  # an array (or option) the keys cannot read: the validating path names it
-            key = plan = None
-        if plan is not None and launch.current_device() == plan.device:
-            return _hit_forward(plan, [pq, pk, pv, po, pl], out, lse, stream)
+    try:
+        (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
+        (ko, po), (kl, pl) = array_key(out), array_key(lse)
+        option_key, option_pointers = _score_options_key(options)
+        key = (kq, kk, kv, ko, kl, _options_key(scale, causal), option_key)
+        plan = _forward_plans.get(key)
+    except Exception:  # an array (or option) the keys cannot read: the validating path names it
+        key = plan = None
+    if plan is not None and launch.current_device() == plan.device:
+        return _hit_forward(plan, [pq, pk, pv, po, pl], out, lse, stream, option_pointers)
     return _forward(q, k, v, scale, causal, out, lse, stream, options, key)
 
 
-def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream):
+def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option_pointers=None):
     """A cached forward: allocate what the caller did not give, patch the pointers in, launch.
-    ``pointers``: q, k, v, out, lse (0 where not given)."""
+    ``pointers``: q, k, v, out, lse (0 where not given); ``option_pointers``: the score options' arrays
+    (None without options), after which the general mask's lists are carved from the pool."""
     if out is None and lse is None:
         out, lse = _allocate(plan.outputs, stream)
         pointers[3], pointers[4] = out.data.ptr, lse.data.ptr
@@ -156,7 +193,13 @@ def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream):
     elif lse is None:
         (lse,) = _allocate(plan.outputs[1:], stream)
         pointers[4] = lse.data.ptr
+    owner = None
+    if option_pointers is not None:
+        owner, lists = _carve(plan, stream)
+        pointers += [0] * (launch.PLAIN_POINTERS - 5) + option_pointers
+        pointers += [lists.get("kv_blocks", 0), lists.get("q_blocks", 0)]
     plan.launch(pointers, _stream_ptr(stream))
+    del owner  # the pool is stream-ordered: the lists are reused only by work behind these launches
     return out, lse
 
 
@@ -178,10 +221,14 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
             scratch, owners = _scratch(forward_plan, None, qd.device)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, scratch=scratch,
                                         fields=(*forward_plan.fields, *opts.params(shape.causal).items()))
-            plan = launch.CallPlan(forward_plan, qd.device, params, 5, outputs)
-            plan.launch((qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr), stream.ptr)
+            pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr)
+            if options:  # the hit path patches the option arrays and the lists as well
+                pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
+                    int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:])
+            plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs)
+            plan.launch(pointers, stream.ptr)
             del owners
-            if key is not None and not switched and not forward_plan.scratch:
+            if key is not None and not switched:
                 _remember(_forward_plans, key, plan)
     return (out_d.array if out is None else out), (lse_d.array if lse is None else lse)
 
@@ -214,34 +261,34 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     ``workspace``: a dict of caller-allocated contiguous float32 buffers with the shapes
     :func:`backward_workspace` returns (frameworks pass their own memory; default: CuPy's pool).
     """
-    key = None
-    if not options:
-        try:
-            keys, pointers = [], []
-            for x in (q, k, v, out, lse, dout, dq, dk, dv, dlse):
-                kx, px = array_key(x)
-                keys.append(kx)
-                pointers.append(px)
-            scratch = None
-            if workspace is not None:
-                scratch = {}
-                for name, buffer in workspace.items():
-                    kx, scratch[name] = array_key(buffer)
-                    keys.append((name, kx))
-            keys.append(_options_key(scale, causal, deterministic))
-            key = (workspace is None, *keys)
-            plan = _backward_plans.get(key)
-        except Exception:  # an array (or option) the keys cannot read: the validating path names it
-            key = plan = None
-        if plan is not None and launch.current_device() == plan.device:
-            return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream)
+    try:
+        keys, pointers = [], []
+        for x in (q, k, v, out, lse, dout, dq, dk, dv, dlse):
+            kx, px = array_key(x)
+            keys.append(kx)
+            pointers.append(px)
+        scratch = None
+        if workspace is not None:
+            scratch = {}
+            for name, buffer in workspace.items():
+                kx, scratch[name] = array_key(buffer)
+                keys.append((name, kx))
+        keys.append(_options_key(scale, causal, deterministic))
+        option_key, option_pointers = _score_options_key(options)
+        key = (workspace is None, *keys, option_key)
+        plan = _backward_plans.get(key)
+    except Exception:  # an array (or option) the keys cannot read: the validating path names it
+        key = plan = None
+    if plan is not None and launch.current_device() == plan.device:
+        return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers)
     return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
                      stream, options, key)
 
 
-def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream):
+def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None):
     """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
-    ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation."""
+    ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation;
+    ``option_pointers``: the score options' arrays (None without options)."""
     grads = [dq, dk, dv]
     missing = [i for i, g in enumerate(grads) if g is None]
     owner = None
@@ -261,7 +308,10 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     else:
         scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
                                                                                       plan.scratch_slots)]
-    plan.launch((*pointers[:9], *scratch_pointers, pointers[9]), _stream_ptr(stream))
+    block = (*pointers[:9], *scratch_pointers[:4], pointers[9])
+    if option_pointers is not None:
+        block += (*option_pointers, *scratch_pointers[4:])
+    plan.launch(block, _stream_ptr(stream))
     del owner
     return grads[0], grads[1], grads[2]
 
@@ -299,12 +349,15 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
                                         fields=(*plan.fields, *opts.params(shape.causal).items()))
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
-            call = launch.CallPlan(plan, dev, params, len(launch.POINTER_FIELDS), outputs)
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
-                        *(scratch.get(field, 0) for field in _SCRATCH_FIELDS), 0 if dlse_d is None else dlse_d.ptr)
+                        *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:4]), 0 if dlse_d is None else dlse_d.ptr)
+            if options:  # the hit path patches the option arrays and the lists as well
+                pointers += (*(int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:-2]),
+                             *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[4:]))
+            call = launch.CallPlan(plan, dev, params, len(pointers), outputs)
             call.launch(pointers, stream.ptr)
             del owners
-            if key is not None and not switched and not options:
+            if key is not None and not switched:
                 _remember(_backward_plans, key, call)
     return tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
 
@@ -317,7 +370,7 @@ def _scratch(plan, workspace, device: int) -> tuple:
     pointers, owners = {}, []
     for field, shape in plan.scratch:
         if workspace is None:
-            owners.append(cupy.empty(shape, dtype=cupy.float32))
+            owners.append(cupy.empty(shape, dtype=cupy.float32))  # 4-byte elements (int32 for the lists)
             pointers[field] = owners[-1].data.ptr
             continue
         if field not in workspace:

@@ -130,9 +130,15 @@ def scratch_bytes(plan: Plan) -> int:
 
 #: Offsets of scratch buffers carved from one allocation are rounded up to this (CuPy's own granule).
 _SCRATCH_ALIGNMENT = 256
-#: The pointer fields lead AttnParams, in this order (checked against the header by ``_pointer_prefix``).
+#: The pointer fields lead AttnParams, in this order (checked against the header by ``_pointer_prefix``):
+#: the operands, the fp32 scratch, dlse, then the score options' arrays and the general mask's lists.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
-                  "softmax_d", "dlse")
+                  "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
+                  "alibi_slopes", "kv_blocks", "q_blocks")
+#: How many of them a call without score options patches (the rest stay null).
+PLAIN_POINTERS = 14
+#: The scratch buffers a call may carve from one allocation, by pointer field.
+SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "kv_blocks", "q_blocks")
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,9 +187,9 @@ class CallPlan:
             total += -(-4 * math.prod(shape) // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
         self.scratch_offsets, self.scratch_bytes = tuple(offsets), total
         fields = [field for field, _ in plan.scratch]
-        # Per scratch pointer field (dq_accum, dk_accum, dv_accum, softmax_d): its index in plan.scratch,
-        # or None where this plan leaves it null.
-        self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in POINTER_FIELDS[9:13])
+        # Per scratch pointer field (SCRATCH_FIELDS): its index in plan.scratch, or None where this plan
+        # leaves it null.
+        self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in SCRATCH_FIELDS)
         self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
 
     def params_bytes(self, pointers) -> bytes:

@@ -201,3 +201,55 @@ def test_plan_cache_is_bounded(gpu, monkeypatch):
     for sq in range(1, 8):
         cuflash.attention_forward(*qkv(gpu, sq=sq))
     assert 1 <= len(api._forward_plans) <= 3
+
+
+def _option_arrays(gpu, b=2, sq=33, sk=47, h=4):
+    return {"window": (16, None), "softcap": 20.0,
+            "segment_ids": (gpu.array((b, sq), np.int32), gpu.array((b, sk), np.int32)),
+            "block_ids": (gpu.array((b, sq), np.int32), gpu.array((b, sk), np.int32)),
+            "alibi_slopes": gpu.array((b, h), np.float32)}
+
+
+def _non_pointer_bytes(block: bytes) -> bytes:
+    return block[8 * len(launch.POINTER_FIELDS):]
+
+
+@pytest.mark.parametrize("entry", ["forward", "backward"])
+def test_calls_with_score_options_are_cached_and_patch_every_pointer(gpu, checks, entry):
+    q, k, v = qkv(gpu)
+    opts = _option_arrays(gpu)
+
+    def call(q, k, v, opts):
+        if entry == "forward":
+            return cuflash.attention_forward(q, k, v, causal=True, **opts)
+        out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+        return cuflash.attention_backward(gpu.array((2, 33, 4, 64), BF16), q, k, v, out, lse, causal=True, **opts)
+
+    call(q, k, v, opts)
+    first = list(gpu.launches)
+    validated = checks["check_qkv"]
+    q2, k2, v2 = qkv(gpu)
+    opts2 = _option_arrays(gpu)  # same keys, other memory
+    call(q2, k2, v2, opts2)
+    assert checks["check_qkv"] == validated, "a cache hit validated again"
+    second = gpu.launches[len(first):]
+    assert len(second) == len(first) >= 2  # the lists pre-pass, then the kernels
+    for a, b in zip(first, second):
+        assert a[:5] == b[:5]
+        assert _non_pointer_bytes(a[5]) == _non_pointer_bytes(b[5])
+    ptrs = pointers_of(second[-1][5])
+    assert ptrs["q"] == q2.data.ptr
+    assert ptrs["q_segment_ids"] == opts2["segment_ids"][0].data.ptr
+    assert ptrs["k_segment_ids"] == opts2["segment_ids"][1].data.ptr
+    assert ptrs["q_block_ids"] == opts2["block_ids"][0].data.ptr
+    assert ptrs["k_block_ids"] == opts2["block_ids"][1].data.ptr
+    assert ptrs["alibi_slopes"] == opts2["alibi_slopes"].data.ptr
+    lists = "kv_blocks" if entry == "forward" else "q_blocks"
+    assert ptrs[lists] != 0 and pointers_of(first[-1][5])[lists] != 0
+    # Every launch of the call (the list pre-pass included) sees the same option pointers.
+    assert all(pointers_of(l[5])["q_segment_ids"] == ptrs["q_segment_ids"] for l in second)
+    # A changed option misses the cache and is validated again.
+    call(q2, k2, v2, dict(opts2, window=(17, None)))
+    assert checks["check_qkv"] == validated + 1
+    with pytest.raises(ValueError, match="window left must be >= 0"):
+        call(q2, k2, v2, dict(opts2, window=(-1, None)))

@@ -61,7 +61,7 @@ struct FwdLoads {
     using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
     using KVTile = Tile_;
     const AttnParams& params;
-    const typename Cfg::Blocks& blocks;
+    const typename Cfg::Blocks blocks;  // a copy: two or three ints
     const Elem* k_src;
     const Elem* v_src;
     unsigned smem_k, smem_v;
@@ -109,15 +109,14 @@ struct FwdWork {
         : loads(p, seq, b, smem), blocks(b), mask(m), mod(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
           warp_row0(warp_row0_) {}
 
-    // The warp's raw scores against step j's key block -> the score modifier, then -inf where invisible
-    // (the per-element test only on warp tiles that can need it).
+    // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where
+    // invisible (the per-element test only on warp tiles that can need it).
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j) const {
+    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {
         const int warp_row_begin = row_begin + warp_row0;
-        const int col0 = blocks.block(j) * Cfg::kBlockN;
-        mod.apply(acc_s, warp_row_begin, col0);
-        if (blocks.masked(j) && mask.needs_mask(warp_row_begin, Cfg::kWarpRows, col0, Cfg::kBlockN)) {
-            mask.apply(acc_s, warp_row_begin, col0);
+        mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        if (blocks.masked(j) && mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN)) {
+            mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
         }
     }
 };
@@ -200,6 +199,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
         const LdmatrixLanes lanes(threadIdx.x % 32);
         const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
         for (int j = 0; j < this->blocks.count(); ++j) {
+            const int n = this->blocks.block(j);
             const unsigned slot = kStages == 1 ? 0u : unsigned(j % kStages) * Tile::kBytes;
 
             sm80::cp_async_wait<2 * kStages - 2>();  // K_j (and Q) landed for this thread ...
@@ -208,7 +208,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
 
             float acc_s[kMTiles][kNTiles][4];
             gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
-            this->modify_and_mask(acc_s, j);
+            this->modify_and_mask(acc_s, j, n);
 
             sm80::cp_async_wait<2 * kStages - 2>();  // V_j landed for this thread ...
             __syncthreads();                         // ... and for all; everyone finished Q.K_j^T

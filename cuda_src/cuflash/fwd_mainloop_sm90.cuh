@@ -113,7 +113,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->loads.load_v(0);
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
-            this->modify_and_mask(acc_s, 0);
+            this->modify_and_mask(acc_s, 0, this->blocks.block(0));
             softmax.update(acc_s, acc_o, scale_log2);
             pack_a<Elem>(p_frag, acc_s[0]);
         }
@@ -127,7 +127,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->loads.load_v(j);      // into the slot of V_{j-2}
             sm90::wait<1>();      // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
-            this->modify_and_mask(acc_s, j);
+            this->modify_and_mask(acc_s, j, this->blocks.block(j));
             // acc_o is still being written by P.V_{j-1}: the softmax's max and exp steps run now, its
             // rescale of acc_o once P.V_{j-1} is done.
             float ratio[kMTiles][2];

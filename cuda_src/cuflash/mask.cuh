@@ -136,25 +136,28 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
 // Block ranges come from the pre-pass lists (ListKeyBlocks / ListQueryBlocks in block.cuh), which also
 // say which blocks need the per-element test; needs_mask itself answers "maybe" everywhere.
 struct GeneralMask : MaskTiles<GeneralMask> {
-    // Only the batch index and the params reference are held: every other field is read from the kernel's
-    // parameter block where used, so the mask costs the mainloops no registers across their loops.
+    // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
+    // may be repeated after every barrier or asm fence); the id and list pointers are read from the
+    // parameter block where used, since only the variants with ids need them.
     const AttnParams& p;
-    int b;
+    int b, seqlen_q, seqlen_k, causal_offset, window_left, window_right;
+    bool has_seg, has_blk;
 
-    __device__ __forceinline__ GeneralMask(const AttnParams& params, int b_) : p(params), b(b_) {}
+    __device__ __forceinline__ GeneralMask(const AttnParams& params, int b_)
+        : p(params), b(b_), seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k),
+          causal_offset(params.causal_offset), window_left(params.window_left), window_right(params.window_right),
+          has_seg(params.q_segment_ids != nullptr), has_blk(params.q_block_ids != nullptr) {}
 
     __device__ __forceinline__ bool visible(int row, int col) const {
-        if (row >= p.seqlen_q || col >= p.seqlen_k) return false;
-        const int d = col - row - p.causal_offset;
-        if (d < -p.window_left || d > p.window_right) return false;
-        if (p.q_segment_ids != nullptr &&
-            __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + row) !=
-                __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + col)) {
+        if (row >= seqlen_q || col >= seqlen_k) return false;
+        const int d = col - row - causal_offset;
+        if (d < -window_left || d > window_right) return false;
+        if (has_seg && __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + row) !=
+                           __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + col)) {
             return false;
         }
-        if (p.q_block_ids != nullptr &&
-            __ldg(p.k_block_ids + b * p.k_block_batch_stride + col) >
-                __ldg(p.q_block_ids + b * p.q_block_batch_stride + row)) {
+        if (has_blk && __ldg(p.k_block_ids + b * p.k_block_batch_stride + col) >
+                           __ldg(p.q_block_ids + b * p.q_block_batch_stride + row)) {
             return false;
         }
         return true;
@@ -179,14 +182,14 @@ struct GeneralMask : MaskTiles<GeneralMask> {
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply_by_rows(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         const int lane = threadIdx.x % 32;
-        const bool seg = p.q_segment_ids != nullptr, blk = p.q_block_ids != nullptr;
+        const bool seg = has_seg, blk = has_blk;
         int row[kMTiles][2], q_seg[kMTiles][2], q_blk[kMTiles][2];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = row0 + mt * 16 + lane / 4 + half * 8;
-                const bool ok = r < p.seqlen_q;
+                const bool ok = r < seqlen_q;
                 row[mt][half] = ok ? r : -(1 << 30);  // a row past Sq sees nothing (d > any window_right)
                 q_seg[mt][half] = seg && ok ? __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + r) : 0;
                 q_blk[mt][half] = blk && ok ? __ldg(p.q_block_ids + b * p.q_block_batch_stride + r) : 0;
@@ -197,7 +200,7 @@ struct GeneralMask : MaskTiles<GeneralMask> {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = col0 + nt * 8 + (lane % 4) * 2 + c;
-                const bool col_ok = col < p.seqlen_k;
+                const bool col_ok = col < seqlen_k;
                 int k_seg = 0, k_blk = 0;  // loaded under branches, so they are not all hoisted ahead
                 if (seg && col_ok) k_seg = __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + col);
                 if (blk && col_ok) k_blk = __ldg(p.k_block_ids + b * p.k_block_batch_stride + col);
@@ -205,8 +208,8 @@ struct GeneralMask : MaskTiles<GeneralMask> {
                 for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const int d = col - row[mt][half] - p.causal_offset;
-                        const bool ok = col_ok & (d >= -p.window_left) & (d <= p.window_right) &
+                        const int d = col - row[mt][half] - causal_offset;
+                        const bool ok = col_ok & (d >= -window_left) & (d <= window_right) &
                                         (q_seg[mt][half] == k_seg) & (k_blk <= q_blk[mt][half]);
                         float& x = acc[mt][nt][2 * half + c];
                         x = ok ? x : -INFINITY;

@@ -61,27 +61,29 @@ __device__ __forceinline__ float fast_tanh(float x) {
 
 struct GeneralScoreMod {
     static constexpr bool kScaled = true;
-    // The params reference (scale, softcap, the diagonal offset are read where used) and the head's slope.
-    const AttnParams& p;
-    float slope;
+    // Register copies of the few scalars the per-score math reads (a parameter read inside the loops may be
+    // repeated after every barrier or fence), and the head's slope.
+    float scale, softcap, inv_softcap, slope;
+    int causal_offset;
 
-    __device__ __forceinline__ GeneralScoreMod(const AttnParams& params, int b, int h)
-        : p(params), slope(params.alibi_slopes == nullptr ? 0.f
-                                                          : __ldg(params.alibi_slopes + b * params.alibi_batch_stride + h)) {}
+    __device__ __forceinline__ GeneralScoreMod(const AttnParams& p, int b, int h)
+        : scale(p.scale), softcap(p.softcap), inv_softcap(p.softcap > 0.f ? 1.f / p.softcap : 0.f),
+          slope(p.alibi_slopes == nullptr ? 0.f : __ldg(p.alibi_slopes + b * p.alibi_batch_stride + h)),
+          causal_offset(p.causal_offset) {}
     static __device__ __forceinline__ float exp_factor(const AttnParams&) { return kLog2e; }
 
     // The modified score of raw score `raw` at (row, col), and d mod / d (scale * raw) in `dfactor`.
     template <bool kPrecise = false>
     __device__ __forceinline__ float one(float raw, int row, int col, float& dfactor) const {
-        float s = raw * p.scale;
+        float s = raw * scale;
         dfactor = 1.f;
-        if (p.softcap > 0.f) {
-            const float x = s * (1.f / p.softcap);
+        if (softcap > 0.f) {
+            const float x = s * inv_softcap;
             const float t = kPrecise ? tanhf(x) : fast_tanh(x);
-            s = p.softcap * t;
+            s = softcap * t;
             dfactor = fmaf(-t, t, 1.f);
         }
-        return fmaf(-slope, fabsf(static_cast<float>(row + p.causal_offset - col)), s);
+        return fmaf(-slope, fabsf(static_cast<float>(row + causal_offset - col)), s);
     }
 
     template <int kMTiles, int kNTiles>
@@ -108,7 +110,7 @@ struct GeneralScoreMod {
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void grad(float (&ds)[kMTiles][kNTiles][4], const float (&aux)[kMTiles][kNTiles][4]) const {
-        if (p.softcap > 0.f) transform2(ds, aux);
+        if (softcap > 0.f) transform2(ds, aux);
     }
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4], int key_row,
@@ -125,7 +127,7 @@ struct GeneralScoreMod {
     }
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4]) const {
-        if (p.softcap > 0.f) transform2(ds, aux);
+        if (softcap > 0.f) transform2(ds, aux);
     }
     __device__ __forceinline__ float apply_one(float s, int row, int col) const {
         float unused;
