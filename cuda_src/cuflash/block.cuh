@@ -22,6 +22,7 @@ namespace cuflash {
 // policies' needs_mask says which warp tiles need the per-element test, so `masked` is always true here.
 template <int kBlockM, int kBlockN>
 struct KeyBlocks {
+    static constexpr bool kListed = false;  // no per-block partial bit (the mask's needs_mask decides)
     int n_begin, n_end;  // visible key blocks [n_begin, n_end)
 
     template <typename Mask>
@@ -38,6 +39,7 @@ struct KeyBlocks {
 // last-first like KeyBlocks. Entries are read where used (L1-resident), not held in registers.
 template <int kBlockM, int kBlockN>
 struct ListKeyBlocks {
+    static constexpr bool kListed = true;
     const int* list;  // this query block's row: list[0] = count, list[1 + i] = (block << 1) | partial
     int n;
 
@@ -53,6 +55,7 @@ struct ListKeyBlocks {
 // mainloop starts at a different step per key block and wraps around, to spread concurrent atomic dQ adds).
 template <int kBlockM, int kBlockN>
 struct QueryBlocks {
+    static constexpr bool kListed = false;
     int m_begin, m_end;
 
     template <typename Mask>
@@ -67,6 +70,7 @@ struct QueryBlocks {
 // The general mask's query blocks of key block n_block, in ascending order.
 template <int kBlockM, int kBlockN>
 struct ListQueryBlocks {
+    static constexpr bool kListed = true;
     const int* list;
     int n;
 
