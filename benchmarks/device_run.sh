@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh tests bench            # the usual run
 #   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick
 #           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
-#           sanitize, fuzzlong, ncu
+#           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cuflash-out}
@@ -37,6 +37,8 @@ for stage in "$@"; do
       timeout 420 python3 -m cuflash bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -45 ;;
     benchquick)
       timeout ${BENCH_TIMEOUT:-180} python3 -m cuflash bench --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    features)
+      timeout ${BENCH_TIMEOUT:-240} python3 -m cuflash bench --features-only --out "$OUT/features" 2>&1 | tee "$OUT/features.log" | tail -30 ;;
     sanitize)
       timeout 420 bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -20 ;;
     fuzzlong)
