@@ -1,10 +1,6 @@
 // Which (query, key) pairs are visible, for every mainloop.
 //
-// Accumulator contract (shared by the sm80 mma.sync mainloops and, later, the sm90 wgmma ones):
-// a warp holds a score tile as float acc[kMTiles][kNTiles][4] in the mma C-fragment layout, i.e.
-// m-tile mt, n-tile nt, element e sits at
-//   row = row0 + mt*16 + lane/4 + (e >= 2 ? 8 : 0),   col = col0 + nt*8 + (lane%4)*2 + (e & 1).
-// Masks are applied only to tiles that can contain an invisible pair (see needs_mask), so the
+// Written against the accumulator contract of cuflash/fragment.cuh. Masks are applied only to tiles that can contain an invisible pair (see needs_mask), so the
 // common interior tile pays nothing.
 //
 // Three policies, picked by the kernels' kMask template argument (MaskKind):
@@ -19,6 +15,7 @@
 #pragma once
 
 #include "cuflash/numeric.cuh"
+#include "cuflash/fragment.cuh"
 #include "cuflash/params.cuh"
 
 namespace cuflash {
@@ -33,38 +30,20 @@ struct MaskTiles {
     // Sets invisible scores of a C-fragment tile to -inf.
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
-        const int lane = threadIdx.x % 32;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-                    const int col = col0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-                    if (!self().visible(row, col)) acc[mt][nt][e] = -INFINITY;
-                }
-            }
-        }
+        for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+            if (!self().visible(row, col)) x = -INFINITY;
+        });
     }
 
-    // The transposed form (the dK/dV kernels' S^T: rows are keys, columns queries), which also hides
-    // queries >= rows_valid (the backward's zero-filled rows past Sq carry no lse to zero them):
-    // element e of n-tile nt of a lane sits at key = key_row + (e >= 2 ? 8 : 0) and query = query_col +
-    // nt*8 + (e & 1), with key_row / query_col the lane's own first key / query.
+    // The transposed form (the dK/dV kernels' S^T), which also hides queries >= rows_valid (the backward's
+    // zero-filled rows past Sq carry no lse to zero them).
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
                                                      int rows_valid) const {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key_row + (e >= 2 ? 8 : 0);
-                const int query = query_col + nt * 8 + (e & 1);
-                const bool ok = (query < rows_valid) & self().visible(query, key);
-                acc[nt][e] = ok ? acc[nt][e] : -INFINITY;
-            }
-        }
+        for_each_score_transposed(acc, key_row, query_col, [&](float& x, int query, int key, int, int) {
+            const bool ok = (query < rows_valid) & self().visible(query, key);
+            x = ok ? x : -INFINITY;
+        });
     }
 };
 

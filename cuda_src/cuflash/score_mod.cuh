@@ -18,6 +18,7 @@
 #pragma once
 
 #include "cuflash/numeric.cuh"
+#include "cuflash/fragment.cuh"
 #include "cuflash/params.cuh"
 
 namespace cuflash {
@@ -89,19 +90,9 @@ struct GeneralScoreMod {
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4], int row0,
                                           int col0) const {
-        const int lane = threadIdx.x % 32;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-                    const int col = col0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-                    acc[mt][nt][e] = one(acc[mt][nt][e], row, col, aux[mt][nt][e]);
-                }
-            }
-        }
+        for_each_score(acc, row0, col0, [&](float& x, int row, int col, int mt, int nt, int e) {
+            x = one(x, row, col, aux[mt][nt][e]);
+        });
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
@@ -115,15 +106,9 @@ struct GeneralScoreMod {
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4], int key_row,
                                                      int query_col) const {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key_row + (e >= 2 ? 8 : 0);
-                const int query = query_col + nt * 8 + (e & 1);
-                acc[nt][e] = one(acc[nt][e], query, key, aux[nt][e]);
-            }
-        }
+        for_each_score_transposed(acc, key_row, query_col, [&](float& x, int query, int key, int nt, int e) {
+            x = one(x, query, key, aux[nt][e]);
+        });
     }
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4]) const {
