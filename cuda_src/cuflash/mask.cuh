@@ -1,7 +1,7 @@
 // Which (query, key) pairs are visible, for every mainloop.
 //
-// Written against the accumulator contract of cuflash/fragment.cuh. Masks are applied only to tiles that can contain an invisible pair (see needs_mask), so the
-// common interior tile pays nothing.
+// Written against the accumulator contract of cuflash/fragment.cuh. Masks are applied only to tiles that
+// can contain an invisible pair (see needs_mask), so the common interior tile pays nothing.
 //
 // Three policies, picked by the kernels' kMask template argument (MaskKind):
 //   kNoMask       AttnMask<false>: only the end of the keys;
@@ -11,7 +11,8 @@
 //                 (block_lists.cu), so tiles no pair of which is visible are never loaded.
 // Every policy has visible(row, col) and the two apply forms (MaskTiles), and
 // needs_mask(row0, rows, col0, cols): whether a tile may hold an invisible pair, refined by the block
-// lists' partial flag where a policy has lists (a caller tests `blocks.masked(j) && mask.needs_mask(..)`).
+// lists' partial flag where a policy has lists (the callers ask the lists for the general mask and
+// needs_mask for the analytic ones).
 #pragma once
 
 #include "cuflash/numeric.cuh"
@@ -86,27 +87,13 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
         }
     }
 
-    // Key blocks below the returned index are visible to every row of query block m_block (no per-element
-    // test needed): inside the keys and, for causal, left of the diagonal of the block's first row.
-    template <int kBlockM, int kBlockN>
-    __device__ __forceinline__ int key_interior_end(int m_block) const {
-        int end = seqlen_k / kBlockN;
-        if (kIsCausal) {
-            const int first_row_last_col = m_block * kBlockM + causal_offset;  // last key row 0 sees
-            end = min(end, first_row_last_col < 0 ? 0 : (first_row_last_col + 1) / kBlockN);
-        }
-        return end;
-    }
-
     // True when the tile [row0, row0+rows) x [col0, col0+cols) may contain an invisible pair.
     __device__ __forceinline__ bool needs_mask(int row0, int rows, int col0, int cols) const {
         if (col0 + cols > seqlen_k) return true;
         if (kIsCausal && col0 + cols - 1 > row0 + causal_offset) return true;
         return false;
     }
-
 };
-
 
 // Causal and window (runtime), segment ids and block ids. Query row i (< Sq) sees key j (< Sk) iff
 //   -window_left <= j - i - causal_offset <= window_right   (causal: window_right <= 0, folded on the host)
@@ -169,7 +156,9 @@ struct GeneralMask : MaskTiles<GeneralMask> {
             for (int half = 0; half < 2; ++half) {
                 const int r = row0 + mt * 16 + lane / 4 + half * 8;
                 const bool ok = r < seqlen_q;
-                row[mt][half] = ok ? r : -(1 << 30);  // a row past Sq sees nothing (d > any window_right)
+                // A row past Sq is never stored (its Q row is zero-filled), so any answer is harmless there;
+                // it skips the id loads and, with a bounded window_right, sees nothing.
+                row[mt][half] = ok ? r : -(1 << 30);
                 q_seg[mt][half] = seg && ok ? __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + r) : 0;
                 q_blk[mt][half] = blk && ok ? __ldg(p.q_block_ids + b * p.q_block_batch_stride + r) : 0;
             }
