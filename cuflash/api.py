@@ -170,7 +170,7 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     try:
         (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
         (ko, po), (kl, pl) = array_key(out), array_key(lse)
-        option_key, option_pointers = _score_options_key(options)
+        option_key, option_pointers = _score_options_key(options) if options else (None, None)
         key = (kq, kk, kv, ko, kl, _options_key(scale, causal), option_key)
         plan = _forward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
@@ -274,7 +274,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
                 kx, scratch[name] = array_key(buffer)
                 keys.append((name, kx))
         keys.append(_options_key(scale, causal, deterministic))
-        option_key, option_pointers = _score_options_key(options)
+        option_key, option_pointers = _score_options_key(options) if options else (None, None)
         key = (workspace is None, *keys, option_key)
         plan = _backward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
