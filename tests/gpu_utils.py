@@ -759,3 +759,15 @@ def report_line(config, message: str) -> None:
         reporter.write_line(message)
     else:  # pragma: no cover
         print(message)
+
+
+def check_deterministic(p: Problem, runs: int) -> None:
+    """``p`` (deterministic=True) checked against float64 once, then run ``runs - 1`` more times: every
+    output (out, lse, dq, dk, dv) must be bit-identical to the first run's."""
+    x = make_inputs(p)
+    first = check_attention(p, inputs=x)
+    for run in range(1, runs):
+        again = run_cuflash(p, x)
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert bit_identical(getattr(again, name), getattr(first, name)), (
+                f"{p.id}: {name} of run {run} differs bitwise from run 0")

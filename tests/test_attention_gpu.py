@@ -138,13 +138,7 @@ RUNS = 10
 @pytest.mark.parametrize("p", DETERMINISM_PROBLEMS, ids=gu.problem_ids(DETERMINISM_PROBLEMS))
 def test_deterministic_backward_is_bit_identical(p):
     """deterministic=True: dq, dk, dv bit-identical over 10 runs (and still correct)."""
-    x = gu.make_inputs(p)
-    first = gu.check_attention(p, inputs=x)
-    for run in range(1, RUNS):
-        again = gu.run_cuflash(p, x)
-        for name in ("out", "lse", "dq", "dk", "dv"):
-            assert gu.bit_identical(getattr(again, name), getattr(first, name)), (
-                f"{p.id}: {name} of run {run} differs bitwise from run 0")
+    gu.check_deterministic(p, RUNS)
 
 
 # --------------------------------------------------------------------------------------------

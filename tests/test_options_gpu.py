@@ -175,13 +175,7 @@ RUNS = 3
 @pytest.mark.parametrize("p", DETERMINISM_PROBLEMS, ids=gu.problem_ids(DETERMINISM_PROBLEMS))
 def test_deterministic_backward_with_options(p):
     """deterministic=True with options: every output bit-identical across runs (and correct)."""
-    x = gu.make_inputs(p)
-    first = gu.check_attention(p, inputs=x)
-    for run in range(1, RUNS):
-        again = gu.run_cuflash(p, x)
-        for name in ("out", "lse", "dq", "dk", "dv"):
-            assert gu.bit_identical(getattr(again, name), getattr(first, name)), (
-                f"{p.id}: {name} of run {run} differs bitwise from run 0")
+    gu.check_deterministic(p, RUNS)
 
 
 def test_ids_and_slopes_are_not_modified():
