@@ -2,14 +2,16 @@
 // attention kernels never load a tile no pair of which is visible, and run the per-element test only on
 // tiles that may hold a hidden pair (FlexAttention's block mask, built on the GPU per call).
 //
-// One CTA per (outer block, batch); the lists do not depend on the head. Not transposed (forward, dQ):
+// One CTA per (outer block, mask head, batch); without a per-head bool mask the lists do not depend on the
+// head (one mask head). Not transposed (forward, dQ):
 // outer blocks are query blocks of kOuter rows, inner blocks key blocks of kInner keys, written to
 // params.kv_blocks. Transposed (dK / dV): outer = key blocks, inner = query blocks, to params.q_blocks.
 // List row (b, outer) = [count, entries ascending], entry = (inner block << 1) | partial; the row is
 // params.*_blocks_stride = (inner blocks + 1) ints long, and entries past count are never written or read.
 //
-// A tile is classified from ranges only, conservatively: the window through its first / last row and key,
-// segment and block ids through the min / max id of its rows and of its keys. "Skip" needs proof that no
+// A tile is classified from ranges, conservatively: the window through its first / last row and key,
+// segment and block ids through the min / max id of its rows and of its keys; then a bool mask by reading
+// the tile's bytes (mask_any_all) where the ranges did not already skip it. "Skip" needs proof that no
 // pair is visible; "full" needs proof that every pair is, and a tile crossing the end of the queries or
 // keys is never full (the mask then also hides the zero-filled rows past Sq / Sk).
 
@@ -67,7 +69,7 @@ enum TileClass : int { kSkipTile = 0, kPartialTile = 1, kFullTile = 2 };
 
 // Query rows [r0, r1) x keys [c0, c1) (both non-empty, inside the sequences); `tail`: the tile as the
 // kernels see it extends past Sq or Sk.
-__device__ __forceinline__ int classify(const GeneralMask& m, int r0, int r1, int c0, int c1, bool tail,
+__device__ __forceinline__ int classify(const GeneralMaskOf<true>& m, int r0, int r1, int c0, int c1, bool tail,
                                         const TileIds& ids) {
     const AttnParams& p = m.p;
     const int d_min = c0 - (r1 - 1) - p.causal_offset;  // smallest j - i - offset in the tile
@@ -85,12 +87,28 @@ __device__ __forceinline__ int classify(const GeneralMask& m, int r0, int r1, in
     return !any ? kSkipTile : (all && !tail ? kFullTile : kPartialTile);
 }
 
+// Whether the bool mask has any / only nonzero bytes over rows [r0, r1) x keys [c0, c1) (inside the
+// sequences, non-empty): the whole CTA reads the tile once, a warp per row, lanes along the keys.
+__device__ __forceinline__ void mask_any_all(const GeneralMaskOf<true>& m, int r0, int r1, int c0, int c1, bool& any,
+                                             bool& all) {
+    bool a = false, l = true;
+    for (int r = r0 + static_cast<int>(threadIdx.x) / 32; r < r1; r += kListThreads / 32) {
+        for (int c = c0 + static_cast<int>(threadIdx.x) % 32; c < c1; c += 32) {
+            const bool v = m.bool_mask(r, c);
+            a = a || v;
+            l = l && v;
+        }
+    }
+    any = __syncthreads_or(a) != 0;
+    all = __syncthreads_and(l) != 0;
+}
+
 template <int kOuter, int kInner, bool kTransposed>
 __global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const AttnParams params) {
     constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
     constexpr int kKRows = kTransposed ? kOuter : kInner;
     const int outer = blockIdx.x, b = blockIdx.z;
-    const GeneralMask m(params, b);
+    const GeneralMaskOf<true> m(params, b, blockIdx.y * params.mask_head_div);  // grid y: the mask's list heads
     const int outer_len = kTransposed ? params.seqlen_k : params.seqlen_q;
     const int inner_len = kTransposed ? params.seqlen_q : params.seqlen_k;
     const int n_inner = ceil_div(inner_len, kInner);
@@ -110,7 +128,14 @@ __global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const A
     if (outer_blk != nullptr) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(outer_blk, o0, o1);
 
     __shared__ int s_counts[kListThreads / 32];
+    __shared__ int s_cls[kListThreads];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // Tile i's rows [r0, r1) x keys [c0, c1), inside the sequences.
+    auto bounds = [&](int i, int& r0, int& r1, int& c0, int& c1) {
+        const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
+        r0 = kTransposed ? i0 : o0, r1 = kTransposed ? i1 : o1;
+        c0 = kTransposed ? o0 : i0, c1 = kTransposed ? o1 : i1;
+    };
     int base = 0;
     for (int chunk = 0; chunk < n_inner; chunk += kListThreads) {  // uniform trip count
         const int i = chunk + static_cast<int>(threadIdx.x);
@@ -122,10 +147,28 @@ __global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const A
             TileIds tile = ids;
             if (inner_seg != nullptr) (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1);
             if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1);
-            const int r0 = kTransposed ? i0 : o0, r1 = kTransposed ? i1 : o1;
-            const int c0 = kTransposed ? o0 : i0, c1 = kTransposed ? o1 : i1;
+            int r0, r1, c0, c1;
+            bounds(i, r0, r1, c0, c1);
             const bool tail = r0 + kQRows > params.seqlen_q || c0 + kKRows > params.seqlen_k;
             cls = classify(m, r0, r1, c0, c1, tail, tile);
+        }
+        if (params.mask != nullptr) {
+            // The bool mask refines the tiles the ranges did not skip: none of its bytes set -> skip; full
+            // only if every byte is set too. The CTA reads one tile at a time.
+            s_cls[threadIdx.x] = cls;
+            __syncthreads();
+            const int here = min(kListThreads, n_inner - chunk);
+            for (int t = 0; t < here; ++t) {
+                const int c = s_cls[t];  // uniform
+                if (c == kSkipTile) continue;
+                int r0, r1, c0, c1;
+                bounds(chunk + t, r0, r1, c0, c1);
+                bool any, all;
+                mask_any_all(m, r0, r1, c0, c1, any, all);  // its barriers order every read of s_cls[t] first
+                if (threadIdx.x == 0) s_cls[t] = !any ? kSkipTile : (c == kFullTile && all ? kFullTile : kPartialTile);
+            }
+            __syncthreads();
+            cls = s_cls[threadIdx.x];
         }
         // Compact the visited blocks in ascending order: a warp's ballot, then the warps before it.
         const unsigned visited = __ballot_sync(0xffffffffu, cls != kSkipTile);

@@ -94,9 +94,9 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 
 // ---------------------------------------------------------------------------------------------------
 // dK, dV (and, with kAtomicDq, dQ += dS.K into dq_accum) for key block blockIdx.x of the query-head group
-// blockIdx.y of batch blockIdx.z. kMask: a MaskKind (mask.cuh); kScoreMod: the softcap / ALiBi modifier
+// blockIdx.y of batch blockIdx.z. kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier
 // (score_mod.cuh). kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, bool kScoreMod, bool kAtomicDq,
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod, bool kAtomicDq,
           bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params) {
@@ -109,7 +109,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
     const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
-    const typename Cfg::Mask mask(params, b);
+    const typename Cfg::Mask mask(params, b, group * heads);  // one head per block under the general mask
     const typename Cfg::Blocks blocks(mask, n_block);
 
     float acc_dv[Cfg::kDTiles][4];
@@ -123,7 +123,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
 // ---------------------------------------------------------------------------------------------------
 // Deterministic dQ: query block blockIdx.x (longest first when causal) of head blockIdx.y walks its key
 // blocks and accumulates dQ = dS . K in registers; no atomics.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, bool kScoreMod>
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dq_kernel(const AttnParams params) {
     using Cfg = DqConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod>;
@@ -134,7 +134,7 @@ flash_bwd_dq_kernel(const AttnParams params) {
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
-    const typename Cfg::Mask mask(params, b);
+    const typename Cfg::Mask mask(params, b, h);
     const typename Mainloop::Blocks blocks(mask, m_block);
 
     float acc_dq[Cfg::kDTiles][4];

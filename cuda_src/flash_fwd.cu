@@ -40,9 +40,9 @@
 
 namespace cuflash {
 
-// kMask: a MaskKind (mask.cuh); kScoreMod: the softcap / ALiBi modifier (score_mod.cuh) instead of none.
+// kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier (score_mod.cuh) instead of none.
 // kWgmma = false: the mma.sync mainloop (sm_80 and later). kWgmma = true: the warpgroup mainloop of sm_90a.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kMask, bool kScoreMod,
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kMask, int kScoreMod,
           bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParams params) {
     using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod>;
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     const int row_begin = m_block * kBlockM;
     const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block
 
-    const typename Cfg::Mask mask(params, seq.b);
+    const typename Cfg::Mask mask(params, seq.b, seq.h);
     const typename Cfg::Blocks blocks(mask, m_block);
     if (blocks.empty()) {  // no row of this block sees any key
         Epilogue::template store_empty<kBlockM>(params, seq, row_begin);

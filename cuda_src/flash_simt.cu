@@ -48,14 +48,14 @@ namespace simt {
 // Without the hint ptxas (CUDA 13, sm_90a) squeezed some variants to 80 registers and spilled. The
 // general-mask and score-modifier variants need more (ids, tanhf) and run one block per SM.
 constexpr int kMinBlocksPerSm = 2;
-template <int kMask, bool kScoreMod>
-__host__ __device__ constexpr int min_blocks_per_sm() { return kMask == kGeneralMask || kScoreMod ? 1 : kMinBlocksPerSm; }
+template <int kMask, int kScoreMod>
+__host__ __device__ constexpr int min_blocks_per_sm() { return is_general_mask(kMask) || kScoreMod != kNoScoreMod ? 1 : kMinBlocksPerSm; }
 constexpr int kPrepRows = 32;    // query rows per pre-pass block
 constexpr int kReduceRows = 16;  // key rows per GQA reduce block
 
 // A tiled SIMT kernel's template arguments and the parts it is built from: the one place that picks
 // the mask, the block ranges and the score modifier.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kMask_, bool kScoreMod_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kMask_, int kScoreMod_>
 struct Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kMask = kMask_;  // MaskKind
@@ -64,7 +64,7 @@ struct Config {
     using Mask = MaskOf<kMask>;
     using Keys = KeyBlocksOf<kMask, kBlockM, kBlockN>;       // key blocks of a query block (forward, dQ)
     using Queries = QueryBlocksOf<kMask, kBlockM, kBlockN>;  // query blocks of a key block (dK / dV)
-    using ScoreMod = ScoreModOf<kScoreMod_>;
+    using ScoreMod = ScoreModOf<kScoreMod_, float>;
     static_assert(kBlockM % kThreadRows == 0 && kBlockN % kThreadRows == 0 && kThreadRows == kLanesPerRow,
                   "tiles are 16 x 16 thread grids");
 };
@@ -288,7 +288,7 @@ struct BwdMainloop {
     const int fixed_block;
 
     __device__ __forceinline__ BwdMainloop(const AttnParams& params_, const SeqInfo& seq_, int fixed_block_)
-        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()), mask(params_, seq_.b),
+        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()), mask(params_, seq_.b, seq_.h),
           at(this_thread<kKeyRows>()), fixed_block(fixed_block_) {}
 
     __device__ __forceinline__ void run(Acc& acc) const {
@@ -393,7 +393,12 @@ struct BwdMainloop {
                 const float ds_mod = p[i][j] * (dp[i][j] - delta[kKeyRows ? j : i]);
                 const int idx = (at.ty + i * kThreadRows) * Smem::kPPitch + at.tx + j * kLanesPerRow;
                 if constexpr (kKeyRows) sm.p[idx] = p[i][j];
-                sm.ds[idx] = score_mod.grad_one(ds_mod, s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+                // The dK/dV kernel (kKeyRows) sees each score once per query head: it writes dbias.
+                if constexpr (kKeyRows) {
+                    sm.ds[idx] = score_mod.grad_one_dbias(params, ds_mod, s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+                } else {
+                    sm.ds[idx] = score_mod.grad_one(ds_mod, s[i][j], at.query(row0, i, j), at.key(col0, i, j));
+                }
             }
         }
     }
@@ -428,7 +433,7 @@ __device__ __forceinline__ void store_dkdv(const AttnParams& params, const SeqIn
 // ---------------------------------------------------------------------------------------------
 // Forward: O = softmax(scale * Q K^T) V with an online softmax over key blocks; lse per row.
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, int kScoreMod>
 __global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
 flash_fwd_simt_kernel(const AttnParams params) {
     using namespace simt;
@@ -445,7 +450,7 @@ flash_fwd_simt_kernel(const AttnParams params) {
     const Loads<Cfg> loads{params, seq};
     const TilePos<false> at = this_thread<false>();
     const int row0 = m_block * kBlockM;
-    const typename Cfg::Mask mask(params, seq.b);
+    const typename Cfg::Mask mask(params, seq.b, seq.h);
     const typename Cfg::Keys blocks(mask, m_block);
     const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h);
     const float scale_log2 = Cfg::ScoreMod::exp_factor(params);
@@ -525,7 +530,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 // that sees them: S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D),
 // dV += P^T dO, dK += dS^T Q (simt::BwdMainloop with kKeyRows).
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, int kScoreMod>
 __global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
 flash_bwd_dkdv_simt_kernel(const AttnParams params) {
     using namespace simt;
@@ -576,7 +581,7 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
 // block: S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - D), dQ += dS K
 // (simt::BwdMainloop). Each block owns its dQ rows outright, so there are no atomics; dq = scale * dQ.
 // ---------------------------------------------------------------------------------------------
-template <int kHeadDim, int kBlockM, int kBlockN, int kMask, bool kScoreMod>
+template <int kHeadDim, int kBlockM, int kBlockN, int kMask, int kScoreMod>
 __global__ void __launch_bounds__(simt::kThreads, simt::min_blocks_per_sm<kMask, kScoreMod>())
 flash_bwd_dq_simt_kernel(const AttnParams params) {
     using namespace simt;

@@ -90,15 +90,17 @@ def _options_key(scale, causal, deterministic=False) -> tuple:
     return type(scale), scale, bool(causal), bool(deterministic)
 
 
-def _score_options_key(options: dict) -> tuple:
+def _score_options_key(options: dict, *, bias_ok: bool = True) -> tuple:
     """``(key, pointers)`` of the score options: ``key`` holds everything their validation reads (types
     and values of window / softcap, each array's key, each pair's type and length), ``pointers`` the five
-    option-array pointers in POINTER_FIELDS order (0 where absent). Raises (anything) for options the keys
-    do not cover (planned or unknown ones, unreadable arrays): the validating path then decides."""
+    option-array pointers in POINTER_FIELDS order (0 where absent), then, when a bias or a bool mask is
+    given, the four fields after the lists (bias, dbias = 0, dbias_accum = 0, mask). Raises (anything) for
+    options the keys do not cover (planned or unknown ones, unreadable arrays, a bias where ``bias_ok`` is
+    False: the backward's dbias buffers are made by its validating path): the validating path then decides."""
     if not options:
         return None, None
-    if not set(options) <= set(validation.SCORE_OPTIONS):
-        raise KeyError("not a score option")
+    if not set(options) <= set(validation.SCORE_OPTIONS) or (not bias_ok and options.get("bias") is not None):
+        raise KeyError("not a cached score option")
     window = options.get("window")
     window_key = None if window is None else (type(window), len(window), *((type(w), w) for w in window))
     softcap = options.get("softcap")
@@ -112,6 +114,11 @@ def _score_options_key(options: dict) -> tuple:
         kx, px = array_key(x)
         keys.append(kx)
         pointers.append(px)
+    bias, mask = options.get("bias"), options.get("mask")
+    if bias is not None or mask is not None:
+        (kb, pb), (km, pm) = array_key(bias), array_key(mask)
+        keys += [kb, km]
+        pointers.append((pb, pm))  # the tail, after the lists (_hit_forward / _hit_backward)
     return tuple(keys), pointers
 
 
@@ -196,8 +203,11 @@ def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option
     owner = None
     if option_pointers is not None:
         owner, lists = _carve(plan, stream)
-        pointers += [0] * (launch.PLAIN_POINTERS - 5) + option_pointers
+        tail = option_pointers[5:]
+        pointers += [0] * (launch.PLAIN_POINTERS - 5) + option_pointers[:5]
         pointers += [lists.get("kv_blocks", 0), lists.get("q_blocks", 0)]
+        if tail:  # bias, dbias, dbias_accum, mask
+            pointers += [tail[0][0], 0, 0, tail[0][1]]
     plan.launch(pointers, _stream_ptr(stream))
     del owner  # the pool is stream-ordered: the lists are reused only by work behind these launches
     return out, lse
@@ -222,9 +232,11 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, scratch=scratch,
                                         fields=(*forward_plan.fields, *opts.params(shape.causal).items()))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr)
-            if options:  # the hit path patches the option arrays and the lists as well
+            if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
+                count = (len(launch.POINTER_FIELDS) if opts.bias is not None or opts.mask is not None
+                         else launch.OPTION_POINTERS)
                 pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
-                    int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:])
+                    int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
             plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs)
             plan.launch(pointers, stream.ptr)
             del owners
@@ -250,10 +262,11 @@ def attention(q, k, v, *, scale=None, causal=False, deterministic=False, return_
 
 
 def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal=False,
-                       deterministic=False, dq=None, dk=None, dv=None, workspace=None, stream=None,
+                       deterministic=False, dq=None, dk=None, dv=None, dbias=None, workspace=None, stream=None,
                        **options):
     """Gradients of attention. Returns ``(dq, dk, dv)``, each in its input's shape and dtype (CuPy
-    arrays, or the ``dq`` / ``dk`` / ``dv`` given).
+    arrays, or the ``dq`` / ``dk`` / ``dv`` given), and ``dbias`` fourth (in the bias's own shape and
+    dtype, summed over its broadcast dims; or the ``dbias`` buffer given) when ``bias`` is an option.
 
     ``out`` and ``lse`` are :func:`attention_forward`'s results for the same inputs and options.
     ``dlse`` ``(B, H, Sq)`` float32 is the gradient flowing into ``lse`` (ring / context-parallel
@@ -274,7 +287,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
                 kx, scratch[name] = array_key(buffer)
                 keys.append((name, kx))
         keys.append(_options_key(scale, causal, deterministic))
-        option_key, option_pointers = _score_options_key(options) if options else (None, None)
+        option_key, option_pointers = _score_options_key(options, bias_ok=False) if options else (None, None)
         key = (workspace is None, *keys, option_key)
         plan = _backward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
@@ -282,7 +295,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     if plan is not None and launch.current_device() == plan.device:
         return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers)
     return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
-                     stream, options, key)
+                     stream, options, key, dbias)
 
 
 def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None):
@@ -310,14 +323,16 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
                                                                                       plan.scratch_slots)]
     block = (*pointers[:9], *scratch_pointers[:4], pointers[9])
     if option_pointers is not None:
-        block += (*option_pointers, *scratch_pointers[4:])
+        block += (*option_pointers[:5], *scratch_pointers[4:])
+        if len(option_pointers) > 5:  # a bool mask (a bias never takes this path)
+            block += (0, 0, 0, option_pointers[5][1])
     plan.launch(block, _stream_ptr(stream))
     del owner
     return grads[0], grads[1], grads[2]
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
-              options, key):
+              options, key, dbias=None):
     """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call."""
     with contextlib.ExitStack() as stack:
         qd, kd, vd, shape, scale, opts, stream, switched = _enter_call(
@@ -339,6 +354,9 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
         dq_d = _buffer(dq, "dq", qd.shape, dtype, dev, fill=zero)
         dk_d = _buffer(dk, "dk", kd.shape, dtype, dev, fill=zero)
         dv_d = _buffer(dv, "dv", vd.shape, dtype, dev, fill=zero)
+        if dbias is not None and opts.bias is None:
+            raise ValueError("dbias= was given but bias was not: pass the forward's bias")
+        bias_fields, dbias_d, dbias_accum = _dbias_buffers(opts, shape, dbias, dev, deterministic, no_work)
         if not no_work:
             plan = launch.backward_plan(shape, dev, bool(deterministic))
             # `owners` keeps freshly allocated scratch alive until the launches are enqueued; after
@@ -346,20 +364,75 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
                                         dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch,
-                                        fields=(*plan.fields, *opts.params(shape.causal).items()))
+                                        fields=(*plan.fields, *opts.params(shape.causal).items(), *bias_fields))
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
                         *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:4]), 0 if dlse_d is None else dlse_d.ptr)
-            if options:  # the hit path patches the option arrays and the lists as well
-                pointers += (*(int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:-2]),
-                             *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[4:]))
+            if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
+                count = (len(launch.POINTER_FIELDS) if opts.bias is not None or opts.mask is not None
+                         else launch.OPTION_POINTERS)
+                pointers += tuple(int(params[0][field])
+                                  for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
             call = launch.CallPlan(plan, dev, params, len(pointers), outputs)
             call.launch(pointers, stream.ptr)
             del owners
+            if dbias_accum is not None:  # fp32 sums over the broadcast dims -> the bias's dtype
+                dbias_d.array[...] = dbias_accum.astype(dbias_d.array.dtype)
             if key is not None and not switched:
                 _remember(_backward_plans, key, call)
-    return tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
+    grads = tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
+    if opts.bias is not None:
+        grads += (dbias_d.array if dbias is None else dbias,)
+    return grads
+
+
+def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic: bool, no_work: bool) -> tuple:
+    """``(params fields, dbias description, fp32 accumulator or None)`` for a backward with a bias.
+
+    A bias with an element per (b, h, i, j) gets its gradient stored by the dK/dV kernels, each element
+    once (zero-filled first where a mask skips tiles). A broadcast bias gets fp32 atomic sums over its
+    broadcast dims in a zeroed accumulator of its own shape (never a dense (B, H, Sq, Sk) temporary), which
+    is then converted; atomics add in no fixed order, so deterministic=True refuses it."""
+    import cupy
+
+    if opts.bias is None:
+        return (), None, None
+    bias = opts.bias
+    full = opts.bias_is_full(shape)
+    if not full and deterministic and not no_work:
+        raise NotImplementedError(
+            f"deterministic=True with a bias of shape {tuple(bias.shape)}, which broadcasts to "
+            f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented: its dbias "
+            f"is summed with float atomics. Pass the bias expanded to the full shape (bias.expand(...)) or use "
+            f"deterministic=False")
+    if dbias is None:
+        dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
+    else:
+        dbias_d = describe(dbias, "dbias")
+        if tuple(dbias_d.shape) != tuple(bias.shape):
+            raise ValueError(f"dbias must have bias's shape {tuple(bias.shape)}, got {tuple(dbias_d.shape)}")
+        if dbias_d.dtype != shape.dtype:
+            raise TypeError(f"dbias must have dtype {shape.dtype}, got {dbias_d.dtype}")
+        if dbias_d.device != device:
+            raise ValueError(f"dbias is on CUDA device {dbias_d.device} but q is on device {device}")
+        if any(st < 0 for st in dbias_d.strides) or dbias_d.ptr % dbias_d.itemsize:
+            raise ValueError(f"dbias must have non-negative strides and an element-aligned base pointer")
+    if no_work:
+        dbias_d.array.fill(0)
+        return (), dbias_d, None
+    if full:
+        if shape.mask_kind != 0:  # tiles the mask skips are never visited: their dbias is 0
+            dbias_d.array.fill(0)
+        st = dbias_d.strides
+        fields = dict(dbias=dbias_d.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1], dbias_row_stride=st[2],
+                      dbias_col_stride=st[3])
+        return tuple(fields.items()), dbias_d, None
+    accum = cupy.zeros(bias.shape, dtype=cupy.float32)
+    st = [s // 4 if n > 1 else 0 for n, s in zip(accum.shape, accum.strides)]
+    fields = dict(dbias_accum=accum.data.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1],
+                  dbias_row_stride=st[2], dbias_col_stride=st[3])
+    return tuple(fields.items()), dbias_d, accum
 
 
 def _scratch(plan, workspace, device: int) -> tuple:

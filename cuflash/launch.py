@@ -85,6 +85,8 @@ def make_params(shape: ProblemShape, scale: float, q, k, v, out, lse, *, dout=No
         "num_heads": shape.num_heads, "num_heads_k": shape.num_heads_k,
         "head_dim": shape.head_dim, "head_dim_v": shape.head_dim_v,
         "h_per_kv": shape.num_heads // shape.num_heads_k, "dkdv_heads": 1,
+        # divisors, never 0; options override them. Without a per-head mask every head uses list row 0.
+        "bias_head_div": 1, "mask_heads": 1, "mask_head_div": max(1, shape.num_heads),
         "causal_offset": shape.seqlen_k - shape.seqlen_q,
         "scale": scale, "scale_log2": scale * _LOG2E,
     }
@@ -134,9 +136,11 @@ _SCRATCH_ALIGNMENT = 256
 #: the operands, the fp32 scratch, dlse, then the score options' arrays and the general mask's lists.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
                   "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
-                  "alibi_slopes", "kv_blocks", "q_blocks")
+                  "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask")
 #: How many of them a call without score options patches (the rest stay null).
 PLAIN_POINTERS = 14
+#: How many a cached call with score options patches; a call with a bias or a bool mask packs all of them.
+OPTION_POINTERS = 21
 #: The scratch buffers a call may carve from one allocation, by pointer field.
 SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "kv_blocks", "q_blocks")
 

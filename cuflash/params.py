@@ -15,7 +15,7 @@ from . import sources
 
 # C type of a declaration -> numpy type of the mirror field (pointers travel as 64-bit integers).
 _SCALAR_TYPES = {"long long": np.int64, "int": np.int32, "float": np.float32}
-_DECLARATION = re.compile(r"^\s*(const\s+)?(void|float|long long|int)\s*(\*?)\s*([^;]+);")
+_DECLARATION = re.compile(r"^\s*(const\s+)?(void|float|long long|int|unsigned char)\s*(\*?)\s*([^;]+);")
 
 
 def _fields_of(header: str) -> list:

@@ -654,14 +654,16 @@ def _naive_inputs(q, k, v, dtype, xp):
             _repeat_kv_heads(v, dims, xp).transpose(to_bhsd))
 
 
-def _naive_scores(q, k, dims: _Dims, scale, softcap, alibi_slopes, xp):
+def _naive_scores(q, k, dims: _Dims, scale, softcap, alibi_slopes, xp, bias=None):
     """fp32 scores -> (raw, s), both (B, H, Sq, Sk) float32: raw = scale * q @ k^T, then
-    s = softcap(raw) + ALiBi, each step rounded to float32 as a framework's elementwise ops are."""
+    s = softcap(raw) + bias + ALiBi, each step rounded to float32 as a framework's elementwise ops are."""
     raw = xp.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(_default_scale(scale, dims))
     s = raw
     if softcap is not None:
         cap = np.float32(softcap)
         s = cap * xp.tanh(raw / cap)
+    if bias is not None:  # already float32 values of the input dtype, broadcast to (B, H, Sq, Sk)
+        s = s + bias
     if alibi_slopes is not None:
         # slope and distance are float32-exact, so the float64 product rounds like an fp32 multiply
         s = s + _alibi(alibi_slopes, dims, xp).astype(np.float32)
@@ -670,23 +672,28 @@ def _naive_scores(q, k, dims: _Dims, scale, softcap, alibi_slopes, xp):
 
 def _naive_probabilities(q, k, dims: _Dims, options: dict, xp):
     """fp32 softmax of the naive scores under every mask -> (P, lse, raw), all float32."""
+    bias = options.get("bias")
+    if bias is not None:
+        bias = _broadcast_operand("bias", round_to_dtype(_as_float(bias, xp, np.float32), options["dtype"], xp),
+                                  dims, xp).astype(np.float32)
     raw, s = _naive_scores(q, k, dims, options["scale"], options["softcap"],
-                           options["alibi_slopes"], xp)
-    visible = _visible(dims, options["causal"], options["window"], None, options["segment_ids"],
+                           options["alibi_slopes"], xp, bias)
+    visible = _visible(dims, options["causal"], options["window"], options.get("mask"), options["segment_ids"],
                        options["block_ids"], xp)
     probs, lse = _softmax_rows(s, visible, xp)
     return probs, lse, raw
 
 
-def _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids) -> dict:
+def _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias=None,
+                   dtype=None, mask=None) -> dict:
     _check_softcap(softcap)
     return {"scale": scale, "causal": causal, "window": _check_window(window),
             "softcap": None if softcap is None else float(softcap), "alibi_slopes": alibi_slopes,
-            "segment_ids": segment_ids, "block_ids": block_ids}
+            "segment_ids": segment_ids, "block_ids": block_ids, "bias": bias, "dtype": dtype, "mask": mask}
 
 
 def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, None), softcap=None,
-                  alibi_slopes=None, segment_ids=None, block_ids=None, xp=None):
+                  alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None, xp=None):
     """How a plain framework computes attention in ``dtype`` -> ``(out (B, Sq, H, Dv), lse (B, H, Sq))``.
 
     ``S = q @ k^T`` and the softmax run in float32; ``P`` is rounded to ``dtype`` before ``P @ V``
@@ -698,10 +705,10 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, Non
 
     Options as in :func:`attention_forward`: ``causal``, ``window``, ``softcap`` (``tanh`` in float32),
     ``alibi_slopes`` ((H,) or (B, H); the ALiBi term added in float32), ``segment_ids``,
-    ``block_ids``.
+    ``block_ids``, ``bias`` (rounded to ``dtype``, added in float32), ``mask``.
     """
     xp = _array_module(xp)
-    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     with _quiet(xp):
         probs, lse, _ = _naive_probabilities(q, k, dims, options, xp)
@@ -711,9 +718,10 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, Non
 
 
 def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(None, None),
-                   softcap=None, alibi_slopes=None, segment_ids=None, block_ids=None, dlse=None,
-                   xp=None):
-    """The naive model's backward -> ``{"dq", "dk", "dv"}``, float32 arrays of ``dtype`` values.
+                   softcap=None, alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None,
+                   dlse=None, xp=None):
+    """The naive model's backward -> ``{"dq", "dk", "dv"}`` (+ ``"dbias"``: the float32 dS summed to the
+    bias's shape, rounded to ``dtype``), float32 arrays of ``dtype`` values.
 
     Float32 throughout, as a framework's autograd does: ``P`` is rounded to ``dtype`` before
     ``dV = P^T @ dO``; ``dS = P * (dP - rowsum(P * dP) + dlse)`` (times ``1 - tanh(raw / softcap)^2``
@@ -721,7 +729,7 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(No
     rounded to ``dtype``. Same options as :func:`naive_forward`.
     """
     xp = _array_module(xp)
-    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     dout = round_to_dtype(dout, dtype, xp)
     _check_shape("dout", dout, (dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v),
@@ -746,16 +754,22 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(No
         if dlse is not None:
             dscores = dscores + dlse[..., None]
         dscores = probs * dscores
+        dbias = None
+        if bias is not None:
+            dbias = round_to_dtype(_reduce_to_shape(dscores, tuple(bias.shape), dims), dtype, xp)
         if options["softcap"] is not None:
             dscores = dscores * _softcap_derivative(raw, np.float32(options["softcap"]), xp)
         dscores = round_to_dtype(dscores, dtype, xp)
         dq = xp.matmul(dscores, k) * scale
         dk = xp.matmul(transposed(dscores), q) * scale
-    return {
+    grads = {
         "dq": round_to_dtype(to_bshd(dq), dtype, xp),
         "dk": round_to_dtype(_sum_kv_groups(to_bshd(dk), dims), dtype, xp),
         "dv": round_to_dtype(_sum_kv_groups(to_bshd(dv), dims), dtype, xp),
     }
+    if dbias is not None:
+        grads["dbias"] = dbias
+    return grads
 
 
 # ----------------------------------------------------------------------------------------------------

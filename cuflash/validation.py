@@ -10,16 +10,16 @@ import math
 import numbers
 
 from .arrays import SUPPORTED_DTYPES, TensorDesc
-from .kernels import MAX_HEAD_DIM, ProblemShape
+from .kernels import MAX_HEAD_DIM, MOD_BIAS, MOD_BIAS_SOFTCAP, MOD_NONE, MOD_SOFTCAP_ALIBI, ProblemShape
 
 #: Vectorized loads move 16 bytes: base pointers and row/head/batch strides must keep that alignment.
 LOAD_ALIGNMENT_BYTES = 16
 #: Grid y (heads) and z (batch) are limited to 65535 blocks.
 MAX_GRID_YZ = 65535
 #: Score options the kernels implement (docs/api.md); see :func:`check_score_options`.
-SCORE_OPTIONS = ("window", "softcap", "alibi_slopes", "segment_ids", "block_ids")
+SCORE_OPTIONS = ("window", "softcap", "alibi_slopes", "segment_ids", "block_ids", "bias", "mask")
 #: Options docs/api.md promises that are not implemented yet; passing one raises NotImplementedError.
-PLANNED_OPTIONS = ("mask", "bias", "dropout_p", "seed")
+PLANNED_OPTIONS = ("dropout_p", "seed")
 #: A window side of None (unbounded) travels to the kernels as this many keys.
 UNBOUNDED_WINDOW = 1 << 30
 
@@ -33,8 +33,8 @@ def reject_planned(options: dict) -> None:
             continue
         raise NotImplementedError(
             f"{name}= is not implemented in this version of cuflash yet (planned); today's kernels "
-            f"support scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, GQA/MQA, dlse "
-            f"and deterministic"
+            f"support scale, causal, window, softcap, bias, alibi_slopes, mask, segment_ids, block_ids, "
+            f"GQA/MQA, dlse and deterministic"
         )
     unknown = set(options) - set(PLANNED_OPTIONS) - set(SCORE_OPTIONS)
     if unknown:
@@ -50,14 +50,31 @@ class ScoreOptions:
     alibi: TensorDesc | None = None  # float32 (H,) or (B, H)
     segment_ids: tuple | None = None  # (q_ids, k_ids) TensorDescs, int32 (B, Sq), (B, Sk)
     block_ids: tuple | None = None
+    bias: TensorDesc | None = None  # q's dtype, 4-D, each dim full or 1 (the head dim H, Hkv or 1)
+    num_heads: int = 0  # H, for the bias's and the mask's head mapping
+    mask: TensorDesc | None = None  # bool, 4-D, broadcast like bias
 
     @property
     def general_mask(self) -> bool:
-        return self.window != (None, None) or self.segment_ids is not None or self.block_ids is not None
+        return (self.window != (None, None) or self.segment_ids is not None or self.block_ids is not None
+                or self.mask is not None)
 
     @property
-    def score_mod(self) -> bool:
-        return self.softcap > 0.0 or self.alibi is not None
+    def mask_heads(self) -> int:
+        """Heads of the block lists: the bool mask's head dim (1 without one)."""
+        return 1 if self.mask is None else int(self.mask.shape[1])
+
+    @property
+    def score_mod(self) -> int:
+        """The kernels' score-modifier kind (the bias ones also apply ALiBi)."""
+        if self.bias is not None:
+            return MOD_BIAS_SOFTCAP if self.softcap > 0.0 else MOD_BIAS
+        return MOD_SOFTCAP_ALIBI if self.softcap > 0.0 or self.alibi is not None else MOD_NONE
+
+    def bias_is_full(self, shape: ProblemShape) -> bool:
+        """Whether every (b, h, i, j) has its own bias element: then each dbias element has one writer
+        (stored directly, deterministic); otherwise dbias is summed over the broadcast dims (fp32 atomics)."""
+        return tuple(self.bias.shape) == (shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)
 
     def params(self, causal: bool) -> dict:
         """The ``AttnParams`` fields these options set (window sides folded with ``causal``); none without
@@ -70,6 +87,23 @@ class ScoreOptions:
         if self.alibi is not None:
             values["alibi_slopes"] = self.alibi.ptr
             values["alibi_batch_stride"] = self.alibi.strides[0] if self.alibi.ndim == 2 else 0
+        if self.bias is not None:
+            t = self.bias
+            strides = [st if n > 1 else 0 for n, st in zip(t.shape, t.strides)]
+            # Staged (cuda_src/cuflash/bias.cuh): 16-byte rows of contiguous keys, so the tensor-core kernels
+            # copy its tiles with cp.async; otherwise (and in fp32) they read it element by element.
+            staged = (t.itemsize == 2 and t.shape[3] > 1 and strides[3] == 1 and t.ptr % 16 == 0
+                      and all(st % 8 == 0 for st in strides[:3]))
+            values.update(bias=t.ptr, bias_batch_stride=strides[0], bias_head_stride=strides[1],
+                          bias_row_stride=strides[2], bias_col_stride=1 if strides[3] else 0,
+                          bias_head_div=max(1, self.num_heads // t.shape[1]) if t.shape[1] > 1 else 1,
+                          bias_staged=int(staged))
+        if self.mask is not None:
+            t = self.mask
+            strides = [st if n > 1 else 0 for n, st in zip(t.shape, t.strides)]
+            values.update(mask=t.ptr, mask_batch_stride=strides[0], mask_head_stride=strides[1],
+                          mask_row_stride=strides[2], mask_col_stride=strides[3], mask_heads=self.mask_heads,
+                          mask_head_div=max(1, self.num_heads // self.mask_heads))
         for pair, prefix in ((self.segment_ids, "segment"), (self.block_ids, "block")):
             if pair is not None:
                 for side, t in zip("qk", pair):
@@ -123,9 +157,41 @@ def _check_small_array(t: TensorDesc, shapes: tuple, dtype: str, device: int, ex
         raise ValueError(f"{t.name}'s base pointer is not aligned to its {t.itemsize}-byte elements")
 
 
+def _check_broadcast(t: TensorDesc, shape: ProblemShape, dtype: str, device: int, dtype_rule: str) -> None:
+    """bias / mask: 4-D, broadcastable to (B, H, Sq, Sk) with a head dim of H, Hkv or 1, the dtype the
+    option wants, on q's device, no negative strides."""
+    b, h, hk, sq, sk = shape.batch, shape.num_heads, shape.num_heads_k, shape.seqlen_q, shape.seqlen_k
+    expected = f"(B|1, H|Hkv|1, Sq|1, Sk|1) = ({b}|1, {h}|{hk}|1, {sq}|1, {sk}|1)"
+    if t.ndim != 4:
+        raise ValueError(f"{t.name} must have 4 dimensions {expected}, got shape {tuple(t.shape)}")
+    allowed = ((b, 1), (h, hk, 1), (sq, 1), (sk, 1))
+    for axis, (n, ok, what) in enumerate(zip(t.shape, allowed, ("batch", "heads", "seq_q", "seq_k"))):
+        if n not in ok:
+            raise ValueError(f"{t.name} has {n} along axis {axis} ({what}); it must broadcast to (B, H, Sq, Sk): "
+                             f"shape {expected}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{t.name} must have {dtype_rule}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{t.name} is on CUDA device {t.device} but q is on device {device}")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"{t.name} has negative strides {t.strides}; pass a copy")
+
+
+def _check_bias(t: TensorDesc, shape: ProblemShape, dtype: str, device: int) -> None:
+    """bias: broadcastable (``_check_broadcast``) in q's dtype; its last dim contiguous or broadcast (stride
+    0), element-aligned."""
+    _check_broadcast(t, shape, dtype, device, f"q's dtype {dtype}")
+    if t.shape[3] > 1 and t.strides[3] not in (0, 1):
+        raise ValueError(f"bias must be contiguous (or broadcast, stride 0) in its last dimension, got strides "
+                         f"{t.strides}")
+    if t.ptr % t.itemsize:
+        raise ValueError(f"bias's base pointer is not aligned to its {t.itemsize}-byte elements")
+
+
 def check_score_options(shape: ProblemShape, options: dict, describe, device: int) -> tuple:
-    """Validate window / softcap / alibi_slopes / segment_ids / block_ids (``describe(x, name)`` turns an
-    array into a TensorDesc). Returns ``(shape with general_mask / score_mod set, ScoreOptions)``."""
+    """Validate window / softcap / alibi_slopes / segment_ids / block_ids / bias / mask (``describe(x, name)``
+    turns an array into a TensorDesc). Returns ``(shape with general_mask / score_mod / mask_heads set,
+    ScoreOptions)``."""
     b, h, sq, sk = shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k
     window = _check_window(options.get("window"))
     softcap = _check_softcap(options.get("softcap"))
@@ -146,8 +212,16 @@ def check_score_options(shape: ProblemShape, options: dict, describe, device: in
         _check_small_array(q_ids, ((b, sq),), "int32", device, f"({b}, {sq}) (B, Sq)")
         _check_small_array(k_ids, ((b, sk),), "int32", device, f"({b}, {sk}) (B, Sk)")
         pairs[name] = (q_ids, k_ids)
-    opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"])
-    return dataclasses.replace(shape, general_mask=opts.general_mask, score_mod=opts.score_mod), opts
+    bias = mask = None
+    if options.get("bias") is not None:
+        bias = describe(options["bias"], "bias")
+        _check_bias(bias, shape, shape.dtype, device)
+    if options.get("mask") is not None:
+        mask = describe(options["mask"], "mask")
+        _check_broadcast(mask, shape, "bool", device, "dtype bool (True = attend)")
+    opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"], bias, h, mask)
+    return dataclasses.replace(shape, general_mask=opts.general_mask, score_mod=opts.score_mod,
+                               mask_heads=opts.mask_heads, bool_mask=mask is not None), opts
 
 
 def _check_dtype(t: TensorDesc) -> None:

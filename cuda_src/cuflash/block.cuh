@@ -43,7 +43,8 @@ struct ListKeyBlocks {
     const int* list;  // this query block's row: list[0] = count, list[1 + i] = (block << 1) | partial
     int n;
 
-    __device__ __forceinline__ ListKeyBlocks(const GeneralMask& mask, int m_block)
+    template <typename Mask>
+    __device__ __forceinline__ ListKeyBlocks(const Mask& mask, int m_block)
         : list(mask.kv_list(m_block)), n(__ldg(list)) {}
     __device__ __forceinline__ bool empty() const { return n <= 0; }
     __device__ __forceinline__ int count() const { return n; }
@@ -74,7 +75,8 @@ struct ListQueryBlocks {
     const int* list;
     int n;
 
-    __device__ __forceinline__ ListQueryBlocks(const GeneralMask& mask, int n_block)
+    template <typename Mask>
+    __device__ __forceinline__ ListQueryBlocks(const Mask& mask, int n_block)
         : list(mask.q_list(n_block)), n(__ldg(list)) {}
     __device__ __forceinline__ int count() const { return n; }
     __device__ __forceinline__ int block(int i) const { return __ldg(list + 1 + i) >> 1; }
@@ -82,9 +84,9 @@ struct ListQueryBlocks {
 };
 
 template <int kMask, int kBlockM, int kBlockN>
-using KeyBlocksOf = conditional_t<kMask == kGeneralMask, ListKeyBlocks<kBlockM, kBlockN>, KeyBlocks<kBlockM, kBlockN>>;
+using KeyBlocksOf = conditional_t<is_general_mask(kMask), ListKeyBlocks<kBlockM, kBlockN>, KeyBlocks<kBlockM, kBlockN>>;
 template <int kMask, int kBlockM, int kBlockN>
 using QueryBlocksOf =
-    conditional_t<kMask == kGeneralMask, ListQueryBlocks<kBlockM, kBlockN>, QueryBlocks<kBlockM, kBlockN>>;
+    conditional_t<is_general_mask(kMask), ListQueryBlocks<kBlockM, kBlockN>, QueryBlocks<kBlockM, kBlockN>>;
 
 }  // namespace cuflash

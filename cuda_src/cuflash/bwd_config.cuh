@@ -73,7 +73,7 @@ __host__ __device__ constexpr DqWarpLayout choose_dq_layout(int block_m, int hea
 // that see them (Q, dO, lse, D double-buffered). Warp w owns keys (w % kWarpsN)*16 .. +16; with
 // kWarpsD = 2 the two warps of a key group (d_split = w / kWarpsN) take query halves of S^T and halves of
 // the head-dim columns of dK / dV (which halves: the mainloop's dkdv_col0).
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, bool kScoreMod_,
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, int kScoreMod_,
           bool kAtomicDq_>
 struct DkdvConfig {
     using Elem = Elem_;
@@ -99,7 +99,9 @@ struct DkdvConfig {
 
     using Mask = MaskOf<kMask>;
     using Blocks = QueryBlocksOf<kMask, kBlockM, kBlockN>;
-    using ScoreMod = ScoreModOf<kScoreMod_>;
+    using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
+    static constexpr bool kBias = has_bias(kScoreMod_);
+    using BiasTileT = BiasTile<Elem, kBlockM, kBlockN>;  // a streamed query block's bias ([query][key])
 
     using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V
     using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
@@ -113,7 +115,8 @@ struct DkdvConfig {
     static constexpr int kOffDs = kOffP + (kHasP ? TileP::kBytes : 0);
     static constexpr int kOffLse = kOffDs + (kHasDs ? TileP::kBytes : 0);  // 2 stages of kBlockM floats
     static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;             // 2 stages of kBlockM floats
-    static constexpr int kSmemBytes = kOffDsum + 2 * kBlockM * 4;
+    static constexpr int kOffBias = kOffDsum + 2 * kBlockM * 4;            // 2 stages of bias tiles (kBias)
+    static constexpr int kSmemBytes = kOffBias + (kBias ? 2 * BiasTileT::kBytes : 0);
     static constexpr int kOffPShared = kShareP ? kOffDs : kOffP;           // where P^T goes
 
     static constexpr DqWarpLayout kDq = choose_dq_layout(kBlockM, kHeadDim, kNWarps);
@@ -139,7 +142,7 @@ struct DkdvRole {
 // Deterministic dQ kernel: one CTA owns kBlockM queries (resident Q, dO) and streams the key blocks they
 // see (K, V double-buffered). Warp w owns queries (w % kWarpsM)*16 .. +16; with kWarpsD = 2 the two warps
 // of a query group (d_split = w / kWarpsM) take key halves of S and interleaved 16-column groups of dQ.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, bool kScoreMod_>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, int kScoreMod_>
 struct DqConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
@@ -158,7 +161,7 @@ struct DqConfig {
 
     using Mask = MaskOf<kMask>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
-    using ScoreMod = ScoreModOf<kScoreMod_>;
+    using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
 
     using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
     using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V

@@ -24,9 +24,10 @@ template <typename Cfg, int kNT>
 __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&aux)[kNT][4],
                                                  const typename Cfg::ScoreMod& mod, const typename Cfg::Mask& mask,
                                                  bool masked, int seqlen_q, int query0, int key0, int key_row0,
-                                                 int q_col0, int g, int t, unsigned s_lse, float scale_log2) {
+                                                 int q_col0, int g, int t, unsigned s_lse, float scale_log2,
+                                                 const BiasTileRef& bias_tile = BiasTileRef{}) {
     const int key_row = key0 + key_row0 + g, query_col = query0 + q_col0 + 2 * t;
-    mod.apply_transposed(acc, aux, key_row, query_col);
+    mod.apply_transposed(acc, aux, key_row, query_col, bias_tile);
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);
@@ -40,11 +41,13 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&a
     transform(acc, [](float x) { return fast_exp2(x); });  // masked -inf -> exactly 0
 }
 
-// dS^T = P^T o (dP^T - D) in place of dP^T; s_dsum: this thread's first D pair in shared memory.
+// dS^T = P^T o (dP^T - D) in place of dP^T; s_dsum: this thread's first D pair in shared memory. The
+// modifier's backward writes dbias here (key_row / query_col: the lane's first key / query).
 template <typename Cfg, int kNT>
 __device__ __forceinline__ void dscores_transposed(float (&acc_dp)[kNT][4], const float (&acc_p)[kNT][4],
                                                    const float (&aux)[kNT][4], const typename Cfg::ScoreMod& mod,
-                                                   unsigned s_dsum) {
+                                                   unsigned s_dsum, const AttnParams& params, int key_row,
+                                                   int query_col, bool store_dbias = true) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         const float2 d = ld_shared_f32x2(s_dsum + nt * 8 * 4);
@@ -53,7 +56,7 @@ __device__ __forceinline__ void dscores_transposed(float (&acc_dp)[kNT][4], cons
         acc_dp[nt][2] = acc_p[nt][2] * (acc_dp[nt][2] - d.x);
         acc_dp[nt][3] = acc_p[nt][3] * (acc_dp[nt][3] - d.y);
     }
-    mod.grad_transposed(acc_dp, aux);
+    mod.grad_transposed(acc_dp, aux, params, key_row, query_col, store_dbias);
 }
 
 // P of the warp's 16 queries (from row0 = query0 + the warp's first row) x kNT*8 keys (from col0) of

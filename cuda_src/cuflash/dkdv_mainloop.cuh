@@ -41,13 +41,19 @@ struct DkdvLoads {
                                              seq.seqlen_k - key0, p.head_dim_v, tid);
     }
 
-    // Q, dO, lse, D of query block m into pipeline stage `stage`. Inside the loop it is called with a
-    // SeqInfo of opaque (b, h) and an opaque tid: the pointers are rebuilt from the constant-bank params on
-    // each call instead of holding registers across the loop. Rows past Sq: zero-filled (lse 0 there; the
-    // mask hides those queries).
+    // Q, dO, lse, D (and a staged bias tile against keys key0 ..) of query block m into pipeline stage
+    // `stage`. Inside the loop it is called with a SeqInfo of opaque (b, h) and an opaque tid: the pointers
+    // are rebuilt from the constant-bank params on each call instead of holding registers across the loop.
+    // Rows past Sq: zero-filled (lse 0 there; the mask hides those queries).
     static __device__ __forceinline__ void load_queries(const AttnParams& p, const SeqInfo& seq, unsigned smem, int m,
-                                                        int stage, int tid) {
+                                                        int stage, int tid, int key0) {
         const int q0 = m * Cfg::kBlockM;
+        if constexpr (Cfg::kBias) {
+            if (p.bias_staged) {
+                Cfg::BiasTileT::template copy<Cfg::kThreads>(smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, p,
+                                                             seq.b, seq.h, q0, key0, tid);
+            }
+        }
         const int rows = seq.seqlen_q - q0;
         copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
                                              p.q_row_stride, rows, p.head_dim, tid);
@@ -94,7 +100,7 @@ struct DkdvMainloop {
         if (num_m_blocks > 0) {
             const SeqInfo seq(params, b, h0);
             Loads::load_kv(params, seq, smem, key0, tid);
-            Loads::load_queries(params, seq, smem, blocks.block(first), 0, tid);
+            Loads::load_queries(params, seq, smem, blocks.block(first), 0, tid, key0);
             sm80::cp_async_commit();
         }
 
@@ -116,7 +122,7 @@ struct DkdvMainloop {
             __syncthreads();
             if (step + 1 < num_steps) {
                 Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
-                                    opaque(tid));
+                                    opaque(tid), key0);
                 sm80::cp_async_commit();
             }
             const Role r(opaque(tid));
@@ -129,16 +135,31 @@ struct DkdvMainloop {
             Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
             const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
             const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
+            const BiasTileRef bias_tile =
+                Cfg::kBias && params.bias_staged
+                    ? BiasTileRef{smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, query0, key0, Cfg::BiasTileT::kPitch}
+                    : BiasTileRef::none();
             probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g,
-                                  r.t, s_lse, Cfg::ScoreMod::exp_factor(params));
+                                  r.t, s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
             Math::dprobs(acc_dp, smem, s_do, r);
-            dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum);
+            // dbias from the shared dS^T tile (coalesced) where the step stages one and it is dS itself.
+            const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && params.dbias != nullptr && params.softcap == 0.f &&
+                                    params.dbias_col_stride == 1;
+            dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum, params, key0 + r.key_row0 + r.g,
+                                    query0 + r.q_col0 + 2 * r.t, !dbias_tile);
 
             // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             float* dq_rows =
                 Cfg::kAtomicDq ? SeqInfo(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim) : nullptr;
             Math::accumulate(acc_dv, acc_dk, acc_s, acc_dp, smem, s_q, s_do, r, dq_rows, seqlen_q - query0,
                              params.head_dim);
+            if constexpr (Cfg::kBias && Cfg::kHasDs) {
+                // accumulate() published the dS^T tile (a barrier); the next step's first barrier guards it.
+                if (dbias_tile) {
+                    store_dbias_tile<typename Cfg::Elem, typename Cfg::TileP, Cfg::kThreads>(
+                        params, b, step_head, query0, key0, smem + Cfg::kOffDs, opaque(tid));
+                }
+            }
             Math::step_done(acc_dv, acc_dk);
         }
     }

@@ -29,7 +29,7 @@ namespace cuflash {
 
 // The forward's compile-time shape, from the kernel's template arguments.
 template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, int kMask_,
-          bool kScoreMod_>
+          int kScoreMod_>
 struct FwdConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
@@ -44,7 +44,10 @@ struct FwdConfig {
     static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
     using Mask = MaskOf<kMask>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
-    using ScoreMod = ScoreModOf<kScoreMod_>;
+    using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
+    static constexpr bool kBias = has_bias(kScoreMod_);
+    using BiasTileT = BiasTile<Elem, kBlockM, kBlockN>;  // one step's staged bias (with kBias)
+    static constexpr int kBiasSlotBytes = kBias ? BiasTileT::kBytes : 0;
     static_assert(sizeof(Elem) == 2, "the tensor-core forward takes fp16 or bf16");
     static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
@@ -54,7 +57,9 @@ struct FwdConfig {
 
 // The load side: Q once, then K / V of step j (key block blocks.block(j)) into slot j % kSlots. Each
 // load_k / load_v commits one cp.async group, empty when step j does not exist, so every thread commits
-// the same groups and the mainloops' wait counts hold for every step.
+// the same groups and the mainloops' wait counts hold for every step. With a staged bias (Cfg::kBias and
+// params.bias_staged) load_k also copies step j's bias tile into bias slot j % kSlots, in K's group: it
+// is read (modify_and_mask) between K_j's wait and the barrier before K_{j+kSlots} reuses the slot.
 template <typename Cfg, typename Tile_, int kSlots>
 struct FwdLoads {
     using Elem = typename Cfg::Elem;
@@ -65,17 +70,38 @@ struct FwdLoads {
     const Elem* k_src;
     const Elem* v_src;
     unsigned smem_k, smem_v;
+    int b, h, row_begin;  // for the bias tiles
+
+    static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes + kSlots * Cfg::kBiasSlotBytes;
 
     __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks_,
-                                        unsigned smem_q)
+                                        unsigned smem_q, int row_begin_)
         : params(p), blocks(blocks_), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
-          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes) {}
+          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), b(seq.b), h(seq.h), row_begin(row_begin_) {}
+
+    // Slot j % kSlots of the staged bias tiles (after the V slots).
+    __device__ __forceinline__ unsigned bias_slot(int j) const {
+        return smem_v + kSlots * KVTile::kBytes + unsigned(j % kSlots) * Cfg::kBiasSlotBytes;
+    }
+    // Step j's staged bias tile, or none (not staged: the modifier reads the bias directly).
+    __device__ __forceinline__ BiasTileRef bias_tile(int j, int n) const {
+        if (Cfg::kBias && params.bias_staged) {
+            return BiasTileRef{bias_slot(j), row_begin, n * Cfg::kBlockN, Cfg::BiasTileT::kPitch};
+        }
+        return BiasTileRef::none();
+    }
 
     __device__ __forceinline__ void load_q(unsigned smem_q, const SeqInfo& seq, int row_begin) const {
         load_tile<QTile, Cfg::kThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
                                                          seq.seqlen_q, params.head_dim, params.q);
     }
     __device__ __forceinline__ void load_k(int j) const {
+        if constexpr (Cfg::kBias) {
+            if (j < blocks.count() && params.bias_staged) {
+                Cfg::BiasTileT::template copy<Cfg::kThreads>(bias_slot(j), params, b, h, row_begin,
+                                                             blocks.block(j) * Cfg::kBlockN, threadIdx.x);
+            }
+        }
         load_step(j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
     }
     __device__ __forceinline__ void load_v(int j) const {
@@ -106,7 +132,7 @@ struct FwdWork {
 
     __device__ __forceinline__ FwdWork(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
                                        const typename Cfg::Mask& m, unsigned smem, int row_begin_, int warp_row0_)
-        : loads(p, seq, b, smem), blocks(b), mask(m), mod(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
+        : loads(p, seq, b, smem, row_begin_), blocks(b), mask(m), mod(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
           warp_row0(warp_row0_) {}
 
     // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where
@@ -114,7 +140,11 @@ struct FwdWork {
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {
         const int warp_row_begin = row_begin + warp_row0;
-        mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        if constexpr (Cfg::kBias) {
+            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(j, n));
+        } else {
+            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        }
         // The lists' partial bit where the blocks have one; the analytic policies' warp-tile test otherwise.
         // (A constant `true && needs_mask` here changed the plain D128 wgmma loop's SASS and cost 6% on an
         // H100: keep the analytic path free of it.)
@@ -165,7 +195,8 @@ __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, u
 }
 
 // mma.sync m16n8k16 with Q / K / V fragments by ldmatrix from narrow-panel tiles (cuflash/tile.cuh).
-// Shared memory: Q (kBlockM x kHeadDim), then kStages K tiles, then kStages V tiles (kBlockN x kHeadDim).
+// Shared memory: Q (kBlockM x kHeadDim), then kStages K tiles, then kStages V tiles (kBlockN x kHeadDim),
+// then (bias variants) kStages bias tiles (FwdLoads).
 // Pipeline (cp.async groups, committed in the order K0 V0 K1 V1 ...). Step j handles key block
 // blocks.block(j) (masked phase first) in slot j % kStages:
 //   wait K_j; barrier (everyone done with P.V of step j-1) -> issue V_{j+kStages-1};  S = Q.K_j^T
@@ -180,7 +211,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
     using Loads = FwdLoads<Cfg, Tile, Cfg::kStages>;
     using QTile = typename Loads::QTile;
     static constexpr int kStages = Cfg::kStages;
-    static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * Tile::kBytes;
+    static constexpr int kSmemBytes = Loads::kSmemBytes;
     static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
 
     static __device__ __forceinline__ void check_smem(unsigned smem_q) {

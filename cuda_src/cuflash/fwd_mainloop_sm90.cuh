@@ -50,7 +50,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
     using Loads = FwdLoads<Cfg, Tile, 2>;
     using QTile = typename Loads::QTile;
-    static constexpr int kSmemBytes = QTile::kBytes + 2 * Cfg::kStages * Tile::kBytes;
+    static constexpr int kSmemBytes = Loads::kSmemBytes;
     static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
     static constexpr int kBlockN = Cfg::kBlockN;
     // Whole warpgroups whose 4 warps own the 16-row slices of one m64 tile; N of S = Q.K^T (kBlockN) and

@@ -3,12 +3,14 @@
 // Written against the accumulator contract of cuflash/fragment.cuh. Masks are applied only to tiles that
 // can contain an invisible pair (see needs_mask), so the common interior tile pays nothing.
 //
-// Three policies, picked by the kernels' kMask template argument (MaskKind):
-//   kNoMask       AttnMask<false>: only the end of the keys;
-//   kCausalMask   AttnMask<true>: bottom-right causal, with analytic block ranges;
-//   kGeneralMask  GeneralMask: causal and window (runtime), segment ids and block ids; the blocks to visit
-//                 and whether each needs the per-element test come from per-block lists a pre-pass builds
-//                 (block_lists.cu), so tiles no pair of which is visible are never loaded.
+// The policies, picked by the kernels' kMask template argument (MaskKind):
+//   kNoMask           AttnMask<false>: only the end of the keys;
+//   kCausalMask       AttnMask<true>: bottom-right causal, with analytic block ranges;
+//   kGeneralMask      GeneralMaskOf<false>: causal and window (runtime), segment ids and block ids; the blocks
+//                     to visit and whether each needs the per-element test come from per-block lists a
+//                     pre-pass builds (block_lists.cu), so tiles no pair of which is visible are never loaded;
+//   kGeneralBoolMask  GeneralMaskOf<true>: the same plus a bool mask (params.mask), read per element on the
+//                     tiles the lists call partial.
 // Every policy has visible(row, col) and the two apply forms (MaskTiles), and
 // needs_mask(row0, rows, col0, cols): whether a tile may hold an invisible pair, refined by the block
 // lists' partial flag where a policy has lists (the callers ask the lists for the general mask and
@@ -21,7 +23,8 @@
 
 namespace cuflash {
 
-enum MaskKind : int { kNoMask = 0, kCausalMask = 1, kGeneralMask = 2 };
+enum MaskKind : int { kNoMask = 0, kCausalMask = 1, kGeneralMask = 2, kGeneralBoolMask = 3 };
+__host__ __device__ constexpr bool is_general_mask(int kind) { return kind >= kGeneralMask; }
 
 // The apply forms every policy shares, written against its visible(row, col).
 template <typename Policy>
@@ -54,7 +57,7 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
     int seqlen_k;
     int causal_offset;  // seqlen_k - seqlen_q (bottom-right aligned causal)
 
-    __device__ __forceinline__ AttnMask(const AttnParams& p, int /*b*/)
+    __device__ __forceinline__ AttnMask(const AttnParams& p, int /*b*/, int /*h*/)
         : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal_offset(p.causal_offset) {}
 
     __device__ __forceinline__ bool visible(int row, int col) const {
@@ -95,26 +98,44 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
     }
 };
 
-// Causal and window (runtime), segment ids and block ids. Query row i (< Sq) sees key j (< Sk) iff
+// Causal and window (runtime), segment ids, block ids and a bool mask. Query row i (< Sq) sees key j (< Sk) iff
 //   -window_left <= j - i - causal_offset <= window_right   (causal: window_right <= 0, folded on the host)
 //   and q_segment_ids[i] == k_segment_ids[j]   (when given)
-//   and k_block_ids[j] <= q_block_ids[i]       (when given).
+//   and k_block_ids[j] <= q_block_ids[i]       (when given)
+//   and mask[b, h, i, j] != 0                  (when given; the lists are then per mask head).
+// Everything but the bool mask is per batch; with a per-head mask (head dim H or Hkv) the block lists have a
+// row per mask head, `hm` (0 otherwise).
 // Block ranges come from the pre-pass lists (ListKeyBlocks / ListQueryBlocks in block.cuh), which also
 // say which blocks need the per-element test; needs_mask itself answers "maybe" everywhere.
-struct GeneralMask : MaskTiles<GeneralMask> {
+// kBool: the variant that also reads a bool mask (kGeneralBoolMask); without it the per-element test has no
+// mask term at all (the dK/dV kernels' registers are tight: an unused runtime branch on it spilled).
+template <bool kBool>
+struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
     // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
     // may be repeated after every barrier or asm fence); the id and list pointers are read from the
     // parameter block where used, since only the variants with ids need them.
     const AttnParams& p;
-    int b, seqlen_q, seqlen_k, causal_offset, window_left, window_right;
-    bool has_seg, has_blk;
+    int b, hm, seqlen_q, seqlen_k, causal_offset, window_left, window_right;
+    bool has_seg, has_blk, has_bool;
 
-    __device__ __forceinline__ GeneralMask(const AttnParams& params, int b_)
-        : p(params), b(b_), seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k),
+    __device__ __forceinline__ GeneralMaskOf(const AttnParams& params, int b_, int h)
+        : p(params), b(b_), hm(h / params.mask_head_div), seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k),
           causal_offset(params.causal_offset), window_left(params.window_left), window_right(params.window_right),
-          has_seg(params.q_segment_ids != nullptr), has_blk(params.q_block_ids != nullptr) {}
+          has_seg(params.q_segment_ids != nullptr), has_blk(params.q_block_ids != nullptr),
+          has_bool(kBool && params.mask != nullptr) {}
+
+    // The bool mask at (row, col), both inside the sequences (1 without a mask).
+    __device__ __forceinline__ bool bool_mask(int row, int col) const {
+        return __ldg(p.mask + b * p.mask_batch_stride + hm * p.mask_head_stride + row * p.mask_row_stride +
+                     col * p.mask_col_stride) != 0;
+    }
 
     __device__ __forceinline__ bool visible(int row, int col) const {
+        return visible_ranges(row, col) && (!has_bool || bool_mask(row, col));
+    }
+    // Everything but the bool mask (the tile forms test that in a pass of its own, which keeps the
+    // registers of the first pass as they were without a bool mask).
+    __device__ __forceinline__ bool visible_ranges(int row, int col) const {
         if (row >= seqlen_q || col >= seqlen_k) return false;
         const int d = col - row - causal_offset;
         if (d < -window_left || d > window_right) return false;
@@ -138,9 +159,16 @@ struct GeneralMask : MaskTiles<GeneralMask> {
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         if constexpr (kMTiles == 1) {
-            MaskTiles<GeneralMask>::apply(acc, row0, col0);
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (!visible_ranges(row, col)) x = -INFINITY;
+            });
         } else {
             apply_by_rows(acc, row0, col0);
+        }
+        if (has_bool) {  // scores still visible, inside the sequences: one mask byte each
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
+            });
         }
     }
 
@@ -190,14 +218,16 @@ struct GeneralMask : MaskTiles<GeneralMask> {
   public:
     // This batch's list row of query block m (kv_blocks) or key block n (q_blocks).
     __device__ __forceinline__ const int* kv_list(int m) const {
-        return p.kv_blocks + (static_cast<long long>(b) * p.kv_blocks_rows + m) * p.kv_blocks_stride;
+        return p.kv_blocks + ((static_cast<long long>(b) * p.mask_heads + hm) * p.kv_blocks_rows + m) * p.kv_blocks_stride;
     }
     __device__ __forceinline__ const int* q_list(int n) const {
-        return p.q_blocks + (static_cast<long long>(b) * p.q_blocks_rows + n) * p.q_blocks_stride;
+        return p.q_blocks + ((static_cast<long long>(b) * p.mask_heads + hm) * p.q_blocks_rows + n) * p.q_blocks_stride;
     }
 };
 
+using GeneralMask = GeneralMaskOf<false>;
+
 template <int kMask>
-using MaskOf = conditional_t<kMask == kGeneralMask, GeneralMask, AttnMask<kMask == kCausalMask>>;
+using MaskOf = conditional_t<is_general_mask(kMask), GeneralMaskOf<kMask == kGeneralBoolMask>, AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash

@@ -42,6 +42,15 @@ struct AttnParams {
     // row (b, outer block) = [count, entries...], entry = (inner block << 1) | partial, ascending.
     int* kv_blocks;             // per query block: the key blocks it visits
     int* q_blocks;              // per key block: the query blocks that visit it (dK / dV kernels)
+    // Additive score bias (B|1, H|Hkv|1, Sq|1, Sk|1) in q's dtype, added after the softcap (score-modifier
+    // variants with kBias). Its gradient goes to exactly one of: dbias (q's dtype, each element written
+    // once: bias has no broadcast dim) or dbias_accum (fp32, atomically summed over the broadcast dims;
+    // the host zeroes it and converts it). Both are laid out contiguously in bias's own shape.
+    const void* bias;
+    void* dbias;
+    float* dbias_accum;
+    // Boolean mask (B|1, H|Hkv|1, Sq|1, Sk|1), one byte per element, nonzero = attend (the general mask).
+    const unsigned char* mask;
 
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -55,6 +64,11 @@ struct AttnParams {
     long long dlse_batch_stride, dlse_head_stride;
     long long q_segment_batch_stride, k_segment_batch_stride, q_block_batch_stride, k_block_batch_stride;
     long long alibi_batch_stride;  // 0 for (H,) slopes
+    // bias element (b, h, i, j) = bias[b * batch + (h / bias_head_div) * head + i * row + j * bias_col_stride]
+    // (stride 0 along a broadcast dim); the same index with the dbias strides for dbias / dbias_accum.
+    long long bias_batch_stride, bias_head_stride, bias_row_stride;
+    long long dbias_batch_stride, dbias_head_stride, dbias_row_stride;
+    long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;  // 0 along broadcast dims
 
     int batch;
     int seqlen_q;
@@ -70,6 +84,11 @@ struct AttnParams {
     int window_right;   //   <= window_right (causal folds in as window_right <= 0; 1 << 30 = unbounded)
     int kv_blocks_rows, kv_blocks_stride;  // query blocks per batch in kv_blocks, ints per list row
     int q_blocks_rows, q_blocks_stride;    // key blocks per batch in q_blocks, ints per list row
+    int bias_head_div;  // query heads per bias head: 1 (H heads), h_per_kv (Hkv heads) or any (1 head)
+    int bias_col_stride, dbias_col_stride;  // 1, or 0 when bias broadcasts over the keys
+    int bias_staged;    // 1: 16-byte bias rows (bias.cuh): the mainloops that can copy its tiles to shared memory
+    int mask_heads;     // heads of the bool mask's block lists: 1 (no mask, or one shared by all heads), Hkv or H
+    int mask_head_div;  // query heads per mask head (num_heads / mask_heads)
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2
     float softcap;      // > 0: s = softcap * tanh(s / softcap) (score-modifier variants); 0 = off

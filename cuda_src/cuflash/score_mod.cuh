@@ -2,7 +2,7 @@
 //
 // A modifier sees a warp's score tile acc[kMTiles][kNTiles][4] with its first row / column (the
 // accumulator contract of cuda_src/README.md gives every element's row and column) and rewrites it
-// (softcap, ALiBi; later an additive bias). Its backward counterpart `grad` turns dS with respect to the
+// (softcap, additive bias, ALiBi). Its backward counterpart `grad` turns dS with respect to the
 // modified scores into dS with respect to the raw ones, up to the factor `scale` the backward epilogues
 // apply anyway. Every mainloop, the SIMT one included, calls `apply` right after its QK^T GEMM and `grad`
 // right after forming dS; the online softmax works on whatever comes out.
@@ -14,14 +14,22 @@
 //
 // Backward forms keep what `grad` needs from `apply` in a caller-provided `aux` tile of the score tile's
 // shape (softcap: 1 - tanh^2); for the identity nothing is written and the compiler drops the tile.
-// Contract: modifiers keep scores finite (the mask runs after them) and never produce NaN.
+// Contract: modifiers never produce NaN; a -inf score (a -inf bias entry) is hidden like a masked one.
+// The bias modifier also writes dbias (dS with respect to the biased score) from the dK/dV kernels, which
+// visit every (query, key) tile exactly once per query head: grad_transposed with coordinates.
 #pragma once
 
 #include "cuflash/numeric.cuh"
+#include "cuflash/bias.cuh"
 #include "cuflash/fragment.cuh"
 #include "cuflash/params.cuh"
 
 namespace cuflash {
+
+// The kernels' kScoreMod template argument: none; softcap / ALiBi; a bias with ALiBi (no softcap); a bias
+// with softcap and ALiBi.
+enum ScoreModKind : int { kNoScoreMod = 0, kSoftcapAlibi = 1, kBiasScoreMod = 2, kBiasSoftcapScoreMod = 3 };
+__host__ __device__ constexpr bool has_bias(int kind) { return kind == kBiasScoreMod || kind == kBiasSoftcapScoreMod; }
 
 struct IdentityScoreMod {
     static constexpr bool kScaled = false;
@@ -29,25 +37,33 @@ struct IdentityScoreMod {
     static __device__ __forceinline__ float exp_factor(const AttnParams& p) { return p.scale_log2; }
 
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void apply(float (&)[kMTiles][kNTiles][4], int /*row0*/, int /*col0*/) const {}
+    __device__ __forceinline__ void apply(float (&)[kMTiles][kNTiles][4], int /*row0*/, int /*col0*/,
+                                          const BiasTileRef& = BiasTileRef{}) const {}
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void apply(float (&)[kMTiles][kNTiles][4], float (&)[kMTiles][kNTiles][4], int, int) const {}
+    __device__ __forceinline__ void apply(float (&)[kMTiles][kNTiles][4], float (&)[kMTiles][kNTiles][4], int, int,
+                                          const BiasTileRef& = BiasTileRef{}) const {}
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void grad(float (&)[kMTiles][kNTiles][4], const float (&)[kMTiles][kNTiles][4]) const {}
     // Transposed tiles (dK / dV kernels: rows are keys, columns queries; the lane's first key / query).
     template <int kNTiles>
-    __device__ __forceinline__ void apply_transposed(float (&)[kNTiles][4], float (&)[kNTiles][4], int, int) const {}
+    __device__ __forceinline__ void apply_transposed(float (&)[kNTiles][4], float (&)[kNTiles][4], int, int,
+                                                     const BiasTileRef& = BiasTileRef{}) const {}
     template <int kNTiles>
-    __device__ __forceinline__ void grad_transposed(float (&)[kNTiles][4], const float (&)[kNTiles][4]) const {}
+    __device__ __forceinline__ void grad_transposed(float (&)[kNTiles][4], const float (&)[kNTiles][4], const AttnParams&,
+                                                    int, int, bool = true) const {}
     // One score (SIMT kernels): the modified score, and dS w.r.t. the raw score from dS w.r.t. the
     // modified one (given the raw score, which the backward recomputes).
     __device__ __forceinline__ float apply_one(float s, int /*row*/, int /*col*/) const { return s; }
     __device__ __forceinline__ float grad_one(float ds, float /*raw_s*/, int /*row*/, int /*col*/) const { return ds; }
+    // The dK/dV kernels' form: also writes dbias where the modifier has one.
+    __device__ __forceinline__ float grad_one_dbias(const AttnParams&, float ds, float, int, int) const { return ds; }
 };
 
-// softcap (params.softcap > 0) and ALiBi (params.alibi_slopes), in the order of docs/api.md:
-//   s = scale * raw;  s = softcap * tanh(s / softcap);  s -= slope * |i + Sk - Sq - j|.
-// d s / d raw = scale * (1 - tanh^2) (the scale is the epilogues'), ALiBi adds a constant.
+// softcap (params.softcap > 0), bias (kBias: params.bias) and ALiBi (params.alibi_slopes), in the order of
+// docs/api.md:
+//   s = scale * raw;  s = softcap * tanh(s / softcap);  s += bias[i, j] - slope * |i + Sk - Sq - j|.
+// d s / d raw = scale * (1 - tanh^2) (the scale is the epilogues'), bias and ALiBi add constants; dbias is
+// dS itself (before the softcap factor).
 // tanh(x) from one ex2 and one reciprocal, with a series near 0 where 1 - 2 / (e^2x + 1) would cancel:
 // relative error about 1e-6 (CUDA's tanhf: 2 ulp, at several times the instructions). It serves the fp16 /
 // bf16 kernels, whose probabilities are rounded far more coarsely; the fp32 SIMT kernels use tanhf.
@@ -60,68 +76,157 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return copysignf(a < 0.125f ? small : big, x);
 }
 
+// kSoftcap = false: the variant has no softcap at all (a bias without one: the common learnable-bias case),
+// so no softcap factor is computed or kept (`aux` is dead and the compiler drops it).
+template <typename Elem, bool kBias, bool kSoftcap = true>
 struct GeneralScoreMod {
     static constexpr bool kScaled = true;
     // Register copies of the few scalars the per-score math reads (a parameter read inside the loops may be
     // repeated after every barrier or fence), and the head's slope.
     float scale, softcap, inv_softcap, slope;
     int causal_offset;
+    int b, h;
+    BiasView<Elem, kBias> bias;
 
-    __device__ __forceinline__ GeneralScoreMod(const AttnParams& p, int b, int h)
+    __device__ __forceinline__ GeneralScoreMod(const AttnParams& p, int b_, int h_)
         : scale(p.scale), softcap(p.softcap), inv_softcap(p.softcap > 0.f ? 1.f / p.softcap : 0.f),
-          slope(p.alibi_slopes == nullptr ? 0.f : __ldg(p.alibi_slopes + b * p.alibi_batch_stride + h)),
-          causal_offset(p.causal_offset) {}
+          slope(p.alibi_slopes == nullptr ? 0.f : __ldg(p.alibi_slopes + b_ * p.alibi_batch_stride + h_)),
+          causal_offset(p.causal_offset), b(b_), h(h_), bias(p, b_, h_) {}
     static __device__ __forceinline__ float exp_factor(const AttnParams&) { return kLog2e; }
+    __device__ __forceinline__ bool has_softcap() const { return kSoftcap && softcap > 0.f; }
 
     // The modified score of raw score `raw` at (row, col), and d mod / d (scale * raw) in `dfactor`.
+    // bias_value: the bias at (row, col), read by the caller (in pairs where it can).
     template <bool kPrecise = false>
-    __device__ __forceinline__ float one(float raw, int row, int col, float& dfactor) const {
+    __device__ __forceinline__ float one(float raw, int row, int col, float& dfactor, float bias_value) const {
         float s = raw * scale;
         dfactor = 1.f;
-        if (softcap > 0.f) {
-            const float x = s * inv_softcap;
-            const float t = kPrecise ? tanhf(x) : fast_tanh(x);
+        if (has_softcap()) {
+            const float t = kPrecise ? tanhf(s * inv_softcap) : fast_tanh(s * inv_softcap);
             s = softcap * t;
             dfactor = fmaf(-t, t, 1.f);
         }
+        if constexpr (kBias) s += bias_value;
         return fmaf(-slope, fabsf(static_cast<float>(row + causal_offset - col)), s);
     }
 
+    // The per-score math with the softcap / ALiBi terms known at compile time: the tile forms pick one of
+    // four loops by a uniform branch (softcap > 0, slope != 0), so the common cases (a bias alone, ALiBi
+    // alone) pay one or two instructions per score instead of every term's. dfactor is written only with
+    // the softcap (grad reads aux only then).
+    template <bool kCap, bool kAlibi, bool kPrecise = false>
+    __device__ __forceinline__ float one_of(float raw, int row, int col, float& dfactor, float bias_value) const {
+        float s;
+        if constexpr (kCap) {
+            const float x = raw * scale * inv_softcap;
+            const float t = kPrecise ? tanhf(x) : fast_tanh(x);
+            s = softcap * t;
+            dfactor = fmaf(-t, t, 1.f);
+            if constexpr (kBias) s += bias_value;
+        } else {
+            s = kBias ? fmaf(raw, scale, bias_value) : raw * scale;
+        }
+        if constexpr (kAlibi) s = fmaf(-slope, fabsf(static_cast<float>(row + causal_offset - col)), s);
+        return s;
+    }
+
     template <int kMTiles, int kNTiles>
+    // tile: this step's staged bias (BiasTileRef; none = read it directly). One of four loops, picked by a
+    // uniform branch on the terms this head has (explicit template calls: NVRTC 12 refuses generic lambdas).
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4], int row0,
-                                          int col0) const {
-        for_each_score(acc, row0, col0, [&](float& x, int row, int col, int mt, int nt, int e) {
-            x = one(x, row, col, aux[mt][nt][e]);
-        });
+                                          int col0, const BiasTileRef& tile = BiasTileRef{}) const {
+        if (has_softcap()) {
+            if (slope != 0.f) apply_terms<true, true>(acc, aux, row0, col0, tile);
+            else apply_terms<true, false>(acc, aux, row0, col0, tile);
+        } else {
+            if (slope != 0.f) apply_terms<false, true>(acc, aux, row0, col0, tile);
+            else apply_terms<false, false>(acc, aux, row0, col0, tile);
+        }
+    }
+    template <bool kCap, bool kAlibi, int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_terms(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4],
+                                                int row0, int col0, const BiasTileRef& tile) const {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = row0 + mt * 16 + lane / 4 + half * 8, col = col0 + nt * 8 + (lane % 4) * 2;
+                    const float2 bv = kBias ? bias.pair_at(row, col, tile) : make_float2(0.f, 0.f);
+                    float& x0 = acc[mt][nt][2 * half];
+                    float& x1 = acc[mt][nt][2 * half + 1];
+                    x0 = one_of<kCap, kAlibi>(x0, row, col, aux[mt][nt][2 * half], bv.x);
+                    x1 = one_of<kCap, kAlibi>(x1, row, col + 1, aux[mt][nt][2 * half + 1], bv.y);
+                }
+            }
+        }
     }
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+    __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
+                                          const BiasTileRef& tile = BiasTileRef{}) const {
         float unused[kMTiles][kNTiles][4];
-        apply(acc, unused, row0, col0);
+        apply(acc, unused, row0, col0, tile);
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void grad(float (&ds)[kMTiles][kNTiles][4], const float (&aux)[kMTiles][kNTiles][4]) const {
-        if (softcap > 0.f) transform2(ds, aux);
+        if (has_softcap()) transform2(ds, aux);
     }
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4], int key_row,
-                                                     int query_col) const {
+                                                     int query_col, const BiasTileRef& tile = BiasTileRef{}) const {
+        // The bias variant specializes its loop (the dK/dV kernels of the softcap / ALiBi one sit at the register
+        // limit on wgmma, where four loop copies spilled).
+        if constexpr (kBias) {
+            if (has_softcap()) {
+                if (slope != 0.f) apply_terms_transposed<true, true>(acc, aux, key_row, query_col, tile);
+                else apply_terms_transposed<true, false>(acc, aux, key_row, query_col, tile);
+            } else {
+                if (slope != 0.f) apply_terms_transposed<false, true>(acc, aux, key_row, query_col, tile);
+                else apply_terms_transposed<false, false>(acc, aux, key_row, query_col, tile);
+            }
+        } else {
+            for_each_score_transposed(acc, key_row, query_col, [&](float& x, int query, int key, int nt, int e) {
+                x = one(x, query, key, aux[nt][e], 0.f);
+            });
+        }
+    }
+    template <bool kCap, bool kAlibi, int kNTiles>
+    __device__ __forceinline__ void apply_terms_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4],
+                                                           int key_row, int query_col, const BiasTileRef& tile) const {
         for_each_score_transposed(acc, key_row, query_col, [&](float& x, int query, int key, int nt, int e) {
-            x = one(x, query, key, aux[nt][e]);
+            x = one_of<kCap, kAlibi>(x, query, key, aux[nt][e], bias.at(query, key, tile));
         });
     }
+    // key_row / query_col: the lane's first key / query (for_each_score_transposed); with kBias this is
+    // where dbias is written (the dK/dV kernels see each score once per query head).
+    // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile).
     template <int kNTiles>
-    __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4]) const {
-        if (softcap > 0.f) transform2(ds, aux);
+    __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4],
+                                                    const AttnParams& p, int key_row, int query_col,
+                                                    bool store_dbias = true) const {
+        if constexpr (kBias) {
+            if (store_dbias) {
+                for_each_score_transposed(ds, key_row, query_col, [&](float& x, int query, int key, int, int) {
+                    bias.store_grad(p, b, h, query, key, x);
+                });
+            }
+        }
+        if (has_softcap()) transform2(ds, aux);
     }
     __device__ __forceinline__ float apply_one(float s, int row, int col) const {
         float unused;
-        return one<true>(s, row, col, unused);
+        return one<true>(s, row, col, unused, kBias ? bias.at(row, col, BiasTileRef{}) : 0.f);
     }
     __device__ __forceinline__ float grad_one(float ds, float raw_s, int row, int col) const {
-        float dfactor;
-        one<true>(raw_s, row, col, dfactor);
+        float dfactor = 1.f;
+        if (has_softcap()) one<true>(raw_s, row, col, dfactor, 0.f);
         return ds * dfactor;
+    }
+    __device__ __forceinline__ float grad_one_dbias(const AttnParams& p, float ds, float raw_s, int row, int col) const {
+        if constexpr (kBias) bias.store_grad(p, b, h, row, col, ds);
+        return grad_one(ds, raw_s, row, col);
     }
 
   private:
@@ -134,7 +239,8 @@ struct GeneralScoreMod {
     static __device__ __forceinline__ void transform2(float& ds, const float& aux) { ds *= aux; }
 };
 
-template <bool kGeneral>
-using ScoreModOf = conditional_t<kGeneral, GeneralScoreMod, IdentityScoreMod>;
+template <int kScoreMod, typename Elem>
+using ScoreModOf = conditional_t<kScoreMod == kNoScoreMod, IdentityScoreMod,
+                                 GeneralScoreMod<Elem, has_bias(kScoreMod), kScoreMod != kBiasScoreMod>>;
 
 }  // namespace cuflash

@@ -22,8 +22,23 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 #: Multiprocessors assumed by plans made without a device (CPU tests, ``compile``): an H100 SXM's.
 DEFAULT_SMS = 132
 #: The kernels' kMask template argument (``MaskKind`` in cuda_src/cuflash/mask.cuh).
-MASK_NONE, MASK_CAUSAL, MASK_GENERAL = 0, 1, 2
-MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
+#: MASK_GENERAL_BOOL is the general mask with a bool mask too (its own variants: the mask term costs registers).
+MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL = 0, 1, 2, 3
+MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL)
+
+
+def is_general(mask_kind: int) -> bool:
+    """Whether a kMask runs the general mask (block lists from the pre-pass)."""
+    return mask_kind >= MASK_GENERAL
+#: The kernels' kScoreMod template argument (``ScoreModKind`` in cuda_src/cuflash/score_mod.cuh): none,
+#: softcap / ALiBi, an additive bias (and its gradient) with ALiBi, or a bias with softcap and ALiBi. A bias
+#: without a softcap keeps no softcap factor per score, which its kernels' registers need.
+MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS, MOD_BIAS_SOFTCAP = 0, 1, 2, 3
+SCORE_MODS = (MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS, MOD_BIAS_SOFTCAP)
+
+
+def has_bias(score_mod: int) -> bool:
+    return score_mod in (MOD_BIAS, MOD_BIAS_SOFTCAP)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -49,8 +64,13 @@ class ProblemShape:
     causal: bool
     #: window, segment_ids or block_ids given: the general mask (runtime causal / window / ids, block lists)
     general_mask: bool = False
-    #: softcap or alibi_slopes given: the score-modifier variants
-    score_mod: bool = False
+    #: the score-modifier variant: MOD_SOFTCAP_ALIBI (softcap or alibi_slopes given), MOD_BIAS (bias, maybe
+    #: ALiBi), MOD_BIAS_SOFTCAP (bias and softcap), MOD_NONE
+    score_mod: int = 0
+    #: heads of the bool mask's block lists: 1 (no mask, or one shared by the heads), Hkv or H
+    mask_heads: int = 1
+    #: a bool mask given (the general mask's MASK_GENERAL_BOOL variants)
+    bool_mask: bool = False
 
     @property
     def head_dim_bucket(self) -> int:
@@ -58,7 +78,9 @@ class ProblemShape:
 
     @property
     def mask_kind(self) -> int:
-        """The kernels' kMask: MASK_GENERAL, MASK_CAUSAL or MASK_NONE."""
+        """The kernels' kMask: MASK_GENERAL_BOOL, MASK_GENERAL, MASK_CAUSAL or MASK_NONE."""
+        if self.bool_mask:
+            return MASK_GENERAL_BOOL
         if self.general_mask:
             return MASK_GENERAL
         return MASK_CAUSAL if self.causal else MASK_NONE

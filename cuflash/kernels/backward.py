@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, MOD_BIAS_SOFTCAP, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
 from . import block_lists
 
 SOURCE = "flash_bwd.cu"
@@ -47,8 +47,8 @@ class DkdvConfig:
     block_m: int  # queries per step (streamed)
     block_n: int  # keys per CTA (resident)
     num_warps: int
-    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
-    score_mod: bool  # softcap / ALiBi
+    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
     wgmma: bool  # the sm_90a warpgroup path instead of mma.sync
 
@@ -64,7 +64,7 @@ class DqConfig:
     block_n: int  # keys per step (streamed)
     num_warps: int
     mask: int
-    score_mod: bool
+    score_mod: int
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,14 @@ _DQ_TILES = {
 #: wgmma with a score modifier and the atomic dQ step, no mask (36 + 48 bytes; the same kernel under the
 #: causal or general mask allocates spill-free). It stays on wgmma rather than the spill-free mma.sync
 #: tile until the two are timed against each other.
-SPILL_ALLOWANCE: dict = {(90, 128, 0, True, True): 84}
+SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
+                         # The bias (no softcap) on the D128 wgmma tile under the general mask, and the bool-mask
+                         # variants at D64 / D128: 12-88 bytes, the larger of ptxas 13.0 (local) and the GPU
+                         # machine's NVRTC (2026-11-23), which differ by up to 44 bytes here. The spill-free
+                         # alternative (mma.sync 32 x 128) ran the bias backward 1.36x slower (1428 against
+                         # 1053 us, B2 H16 S2k D128, H100).
+                         (90, 128, 2, 2, True): 96, (90, 128, 2, 2, False): 32,
+                         (90, 128, 3, 2, True): 96, (90, 128, 3, 2, False): 48, (90, 64, 3, 0, True): 96}
 
 #: Head-dim buckets whose dK/dV kernel runs on wgmma on sm_90a: whole 64-column panels, split evenly
 #: between the two warpgroups at head dim 256. The wgmma path reads each shared-memory operand once per
@@ -159,10 +166,15 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, True, True): 84}
 WGMMA_BUCKETS = (64, 128, 256)
 
 
-def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: bool = False) -> bool:
+def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: int = 0) -> bool:
     """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path. Not at D64 with a
     score modifier: its 128-query tile would add 64 registers of softcap factors to 192 accumulators."""
     if score_mod and head_dim_bucket == 64:
+        return False
+    if score_mod == MOD_BIAS_SOFTCAP and head_dim_bucket == 128:
+        # The bias reads on top of S^T, dP^T, the softcap factors and dK / dV spilled 100-650 bytes on the
+        # 64 x 128 wgmma tile (ptxas 13.0); the mma.sync 32 x 128 tile spills nothing. Without the softcap
+        # (no factor per score) the wgmma tile keeps (SPILL_ALLOWANCE).
         return False
     return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
@@ -179,7 +191,7 @@ def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: bool = False) -> bool
 _DKDV_TILES_WGMMA = {64: (128, 128, 8), 128: (64, 128, 8), 256: (64, 64, 8)}
 
 
-def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: bool = False) -> BwdTile:
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0) -> BwdTile:
     """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the tables' comments.
 
     Causal uses the same tiles: only the diagonal blocks pay for the mask, and smaller tiles would not
@@ -199,19 +211,29 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: bool = F
     return BwdTile(*_DKDV_TILES[_tier(arch)][head_dim_bucket])
 
 
-def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool) -> BwdTile:
-    """(kBlockM, kBlockN, kNWarps) of the deterministic dQ kernel."""
+def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0) -> BwdTile:
+    """(kBlockM, kBlockN, kNWarps) of the deterministic dQ kernel. The bias variant's reads (hoisted ahead
+    of the exp by ptxas) spilled 40-148 bytes at D32 (128 x 128) and 16-52 at D128 (128 x 64) on sm_90a:
+    those take 128 x 64 and 64 x 64 (spill-free)."""
     del causal
-    return BwdTile(*_DQ_TILES[_tier(arch)][head_dim_bucket])
+    tile = _DQ_TILES[_tier(arch)][head_dim_bucket]
+    if has_bias(score_mod) and head_dim_bucket == 32 and tile[:2] == (128, 128):
+        return BwdTile(128, 64, 8)
+    if has_bias(score_mod) and head_dim_bucket == 128 and tile == (128, 64, 8):
+        return BwdTile(64, 64, 8)
+    return BwdTile(*tile)
 
 
-def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, atomic_dq: bool) -> int:
+def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, atomic_dq: bool,
+                    bias: bool = False) -> int:
     """Mirror of ``DkdvConfig::kSmemBytes`` (cuda_src/cuflash/bwd_config.cuh).
 
     K, V: block_n x head_dim each; Q, dO: block_m x head_dim, two stages each; P^T and dS^T tiles
     (block_n x block_m) when the head dim is split across warps (dS^T also for the atomic dQ step; one
-    shared tile for both when block_n <= 32); lse and softmax_d: block_m floats, two stages each.
+    shared tile for both when block_n <= 32); lse and softmax_d: block_m floats, two stages each; with a
+    bias, two stages of its (block_m x block_n) tile, rows padded by 16 bytes (cuflash/bias.cuh).
     """
+    bias_bytes = 2 * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
     warps_d = num_warps // (block_n // 16)
     share_p = warps_d > 1 and block_n <= 32
     has_p = warps_d > 1 and not share_p
@@ -219,7 +241,7 @@ def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, a
     tile_k = block_n * head_dim * ELEM_BYTES
     tile_q = block_m * head_dim * ELEM_BYTES
     tile_p = block_n * block_m * ELEM_BYTES
-    return 2 * tile_k + 4 * tile_q + (int(has_p) + int(has_ds)) * tile_p + 4 * block_m * 4
+    return 2 * tile_k + 4 * tile_q + (int(has_p) + int(has_ds)) * tile_p + 4 * block_m * 4 + bias_bytes
 
 
 def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
@@ -254,22 +276,29 @@ def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
                          SMALL_NUM_WARPS * 32, 0)
 
 
-def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: bool = False) -> KernelVariant:
+def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0) -> KernelVariant:
     tile = tile_sm80(arch, bucket, mask != 0, score_mod)
-    smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq)
+    bias = has_bias(score_mod)
+    smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
+    # The bias tiles on top of a table tile chosen without them: halve the streamed queries until it fits
+    # (A100 D160-D192 64 x 64: 183 KB with the bias, 32 x 64: 131 KB), keeping 16 queries per warp.
+    warps_d = tile.num_warps // (tile.block_n // 16)
+    while bias and smem > arch_caps(arch).smem_per_block and tile.block_m // 2 // warps_d >= 16:
+        tile = BwdTile(tile.block_m // 2, tile.block_n, tile.num_warps)
+        smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dkdv_kernel",
-        DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), bool(score_mod),
+        DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod),
                    bool(atomic_dq), uses_wgmma(arch, bucket, score_mod)),
         tile.num_warps * 32, smem), arch)
 
 
-def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: bool = False) -> KernelVariant:
-    tile = dq_tile_sm80(arch, bucket, mask != 0)
+def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: int = 0) -> KernelVariant:
+    tile = dq_tile_sm80(arch, bucket, mask != 0, score_mod)
     smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dq_kernel",
-        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), bool(score_mod)),
+        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod)),
         tile.num_warps * 32, smem), arch)
 
 
@@ -321,14 +350,15 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     b, h, hk = shape.batch, shape.num_heads, shape.num_heads_k
     sq, sk = shape.seqlen_q, shape.seqlen_k
     dtype, mask, mod = shape.dtype, shape.mask_kind, shape.score_mod
-    general = mask == MASK_GENERAL
+    general = is_general(mask)
 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
     scratch = [("softmax_d", (b, h, sq))]
     fields = []
     dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
     if general:  # the query blocks of each key block
-        pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dkdv.config.block_m, dkdv.config.block_n, True)
+        pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dkdv.config.block_m, dkdv.config.block_n, True,
+                                                        shape.mask_heads)
         launches.append(pre)
         scratch.append(lists)
         fields += list_fields
@@ -338,7 +368,8 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     if deterministic:
         dq = dq_variant(arch, dtype, bucket, mask, mod)
         if general:  # the key blocks of each query block
-            pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dq.config.block_m, dq.config.block_n, False)
+            pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dq.config.block_m, dq.config.block_n, False,
+                                                            shape.mask_heads)
             launches.append(pre)
             scratch.append(lists)
             fields += list_fields
@@ -354,7 +385,8 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
 
 
 def all_variants(arch: int) -> list:
-    """Every backward variant on ``arch`` (none before sm_80)."""
+    """Every backward variant on ``arch`` (none before sm_80). A bias variant whose staged tiles do not fit the
+    arch's shared memory (D256 on the 99 KB parts) is left out: a call plans it and gets _check_fits' error."""
     if not arch_caps(arch).has_cp_async:
         return []
     out = []
@@ -364,8 +396,12 @@ def all_variants(arch: int) -> list:
             out.append(convert_dq_variant(dtype, bucket))
             out.append(reduce_dkdv_variant(dtype, bucket))
             for mask in MASK_KINDS:
-                for mod in (False, True):
-                    out.append(dkdv_variant(arch, dtype, bucket, mask, True, mod))
-                    out.append(dkdv_variant(arch, dtype, bucket, mask, False, mod))
-                    out.append(dq_variant(arch, dtype, bucket, mask, mod))
+                for mod in SCORE_MODS:
+                    try:
+                        dkdv = [dkdv_variant(arch, dtype, bucket, mask, atomic, mod) for atomic in (True, False)]
+                    except ValueError:
+                        if not has_bias(mod):
+                            raise
+                        dkdv = []
+                    out += dkdv + [dq_variant(arch, dtype, bucket, mask, mod)]
     return out

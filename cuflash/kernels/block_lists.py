@@ -5,8 +5,9 @@ walks per-block lists instead of analytic ranges: per query block the key blocks
 forward and dQ kernels), or per key block the query blocks that visit it (``q_blocks``, dK / dV kernels),
 each entry flagged "partial" when the per-element test must run. The lists depend on the kernel's tile, so
 each attention launch that needs them is preceded by one pre-pass launch with the same tile: grid
-``(outer blocks, 1, B)``, 128 threads, no dynamic shared memory. The lists are int32 scratch
-``(B, outer blocks, inner blocks + 1)``, rows ``[count, entries...]``.
+``(outer blocks, mask heads, B)``, 128 threads, no dynamic shared memory. The lists are int32 scratch
+``(B, mask heads, outer blocks, inner blocks + 1)``, rows ``[count, entries...]``; ``mask heads`` is 1
+unless a bool mask differs per head (``ProblemShape.mask_heads``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, transposed: bool):
+def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, transposed: bool,
+              heads: int = 1):
     """The pre-pass for a kernel with ``block_m`` queries x ``block_n`` keys per tile.
 
     Returns ``(launch, scratch entry, params fields)``: the launch to put before the kernel, the
@@ -48,26 +50,26 @@ def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: i
     else:
         outer, inner, n_outer, n_inner = block_m, block_n, _cdiv(seqlen_q, block_m), _cdiv(seqlen_k, block_n)
         field, prefix = "kv_blocks", "kv_blocks"
-    launch = Launch(variant(outer, inner, transposed), (max(n_outer, 1), 1, batch))
-    scratch = (field, (batch, max(n_outer, 1), n_inner + 1))
+    launch = Launch(variant(outer, inner, transposed), (max(n_outer, 1), heads, batch))
+    scratch = (field, (batch, heads, max(n_outer, 1), n_inner + 1))
     fields = ((f"{prefix}_rows", max(n_outer, 1)), (f"{prefix}_stride", n_inner + 1))
     return launch, scratch, fields
 
 
 def all_variants(arch: int) -> list:
     """One pre-pass per distinct (tile, orientation) of the kernels that run the general mask on ``arch``."""
-    from . import MASK_GENERAL, backward, forward, simt
+    from . import backward, forward, is_general, simt
     from ..arch import arch_caps
 
     tiles = set()
     for v in simt.all_variants(arch):
         c = v.config
-        if getattr(c, "mask", None) == MASK_GENERAL:
+        if is_general(getattr(c, "mask", 0)):
             tiles.add((c.block_m, c.block_n, "dkdv" in v.name))
     if arch_caps(arch).has_cp_async:
         for v in forward.all_variants(arch) + backward.all_variants(arch):
             c = v.config
-            if getattr(c, "mask", None) == MASK_GENERAL:
+            if is_general(getattr(c, "mask", 0)):
                 tiles.add((c.block_m, c.block_n, "dkdv" in v.name))
     out = []
     for block_m, block_n, transposed in sorted(tiles):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
 from . import block_lists
 
 SOURCE = "flash_fwd.cu"
@@ -54,8 +54,8 @@ class FwdConfig:
     block_n: int  # keys per mainloop step
     num_warps: int
     stages: int  # K / V shared-memory buffers each
-    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
-    score_mod: bool  # softcap / ALiBi
+    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     wgmma: bool  # the sm_90a warpgroup mainloop instead of mma.sync
 
 
@@ -65,9 +65,10 @@ def _cdiv(a: int, b: int) -> int:
 
 #: Register spill (bytes, stores + loads, per ptxas) a variant may show because a measurement chose
 #: its tile over a spill-free one; keyed by (arch, head-dim bucket, mask kind, score_mod). Anything above fails
-#: tests/test_build.py. Empty: the one entry it held (sm_90a D128 mma.sync 128x64x1, 16 / 40 bytes) went
-#: with that variant when sm_90a D128 moved to the wgmma mainloop, which spills nothing.
-SPILL_ALLOWANCE: dict = {}
+#: tests/test_build.py. The entry: sm_90a D128 wgmma with a bool mask and softcap / ALiBi, 48 bytes on the GPU
+#: machine's NVRTC (none with ptxas 13.0). (The entry for sm_90a D128 mma.sync 128x64x1 went with that
+#: variant when D128 moved to the wgmma mainloop.)
+SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
@@ -76,15 +77,17 @@ SPILL_ALLOWANCE: dict = {}
 WGMMA_BUCKETS = (128, 256)
 
 
-def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int) -> int:
+def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bias: bool = False) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
-    (block_n rows each), kHeadDim 2-byte columns each. Mirrors ``kSmemBytes`` in the kernel, for both
-    panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024 bytes); each compile
-    checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against the kernel's ``CUFLASH_CHECK_SMEM_BYTES``)."""
-    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
+    (block_n rows each), kHeadDim 2-byte columns each, then with a bias ``stages`` staged bias tiles
+    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh). Mirrors ``kSmemBytes`` in
+    the kernel, for both panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024
+    bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against ``CUFLASH_CHECK_SMEM_BYTES``)."""
+    bias_bytes = stages * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
+    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n) + bias_bytes
 
 
-def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False) -> tuple:
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False, bias: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the mma.sync mainloop for one head-dim bucket on ``arch``.
 
     On arch 90 the buckets of WGMMA_BUCKETS take :func:`tile_sm90_wgmma` instead; the "big" rows below
@@ -108,6 +111,18 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False
     if not caps.has_cp_async:
         raise ValueError(f"the tensor-core forward needs sm_80 or later; got {arch=}")
     per_block = caps.smem_per_block
+    if bias and per_block >= 160 * KB:
+        # The bias variant (its staged tiles, a bias pair per two scores, four specialized loops for the
+        # softcap / ALiBi terms) spilled 24-60 bytes on the heavy tiles with 32 rows per warp (D32, D64, D96:
+        # 128 x 64 x 4 warps) and 8-48 at D224 / D256 (ptxas 13.0, sm_90a). These spill nothing.
+        if head_dim_bucket == 32:
+            return 128, 64, 8, 2
+        if head_dim_bucket in (64, 96):
+            return 64, 64, 4, 2
+        if head_dim_bucket == 224:
+            return 128, 32, 8, 2
+        if head_dim_bucket == 256:
+            return 64, 32, 4, 2
     if per_block >= 160 * KB:  # A100 and H100 class
         big = per_block >= 200 * KB  # H100 / B200
         if head_dim_bucket <= 32 and not heavy:
@@ -162,7 +177,7 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False
     return 128, 32, 8, 1
 
 
-def tile_sm90_wgmma(head_dim_bucket: int) -> tuple:
+def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the wgmma mainloop (arch 90, buckets WGMMA_BUCKETS).
 
     Two warpgroups (8 warps x 16 rows, kBlockM = 128), one CTA per SM (256 threads above 128 registers):
@@ -172,6 +187,10 @@ def tile_sm90_wgmma(head_dim_bucket: int) -> tuple:
     (K runs one step ahead of V), and 2 fit at every bucket here. Timed: see WGMMA_BUCKETS; registers per
     ptxas 13.0 (sm_90a, bf16 and fp16, causal or not), no spills.
     """
+    if head_dim_bucket == 128 and bias:
+        # The bias variant reads a (row, column pair) of bias per two scores, which ptxas hoists ahead of
+        # the softmax: with 128 keys that spilled 52-140 bytes (ptxas 13.0); 64 keys: none.
+        return 128, 64, 8, 2
     if head_dim_bucket == 128:
         # 128 keys: acc 64 + S 64 + P 32 (193 registers): half the barriers and rescales per FLOP of
         # 64 keys. Q 32 KB + 2 x (K + V) 128 KB = 160 KB.
@@ -188,22 +207,33 @@ def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
     return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
-def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: bool = False) -> KernelVariant:
+def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0) -> KernelVariant:
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
         raise ValueError(f"{head_dim_bucket=} is not one of {HEAD_DIM_BUCKETS}")
-    wgmma = uses_wgmma(arch, head_dim_bucket)
+    bias = has_bias(score_mod)
+    # D256 with a bias: Q, two K / V stages and two 128 x 64 bias tiles need 228 KB, more than a block has.
+    wgmma = uses_wgmma(arch, head_dim_bucket) and not (bias and head_dim_bucket == 256)
     if wgmma:
-        block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket)
+        block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, has_bias(score_mod))
     else:
-        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, mask != 0, mask == MASK_GENERAL or score_mod)
-    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages)
+        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, mask != 0, is_general(mask) or score_mod != 0,
+                                                    has_bias(score_mod))
+    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias)
     per_block = arch_caps(arch).smem_per_block
+    # The bias tiles on top of a table tile chosen without them: shed K / V stages, then keys, until it fits
+    # (A100 D192 128 x 64: 2 stages 184 KB, 1 stage 138 KB; the 99 KB parts' larger head dims).
+    while bias and not wgmma and smem > per_block and (stages > 1 or block_n > 16):
+        if stages > 1:
+            stages -= 1
+        else:
+            block_n //= 2
+        smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias)
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
-    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(mask), bool(score_mod), wgmma)
+    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(mask), int(score_mod), wgmma)
     return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem)
 
 
@@ -211,10 +241,10 @@ def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first."""
     v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod)
     grid = (_cdiv(shape.seqlen_q, v.config.block_m), shape.num_heads, shape.batch)
-    if shape.mask_kind != MASK_GENERAL:
+    if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(v, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k, v.config.block_m,
-                                                   v.config.block_n, transposed=False)
+                                                   v.config.block_n, False, shape.mask_heads)
     return Plan(launches=(lists, Launch(v, grid)), scratch=(scratch,), fields=fields)
 
 
@@ -223,4 +253,4 @@ def all_variants(arch: int) -> list:
     if not arch_caps(arch).has_cp_async:
         return []
     return [variant(dtype, bucket, mask, arch, score_mod)
-            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in (False, True)]
+            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in SCORE_MODS]

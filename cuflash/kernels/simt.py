@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import arch as _arch
-from . import HEAD_DIM_BUCKETS, MASK_GENERAL, MASK_KINDS, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, SCORE_MODS, KernelVariant, Launch, Plan, ProblemShape
 from . import block_lists
 
 SOURCE = "flash_simt.cu"
@@ -44,8 +44,8 @@ class SimtConfig:
     head_dim: int  # the head-dim bucket
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile
-    mask: int  # MASK_NONE, MASK_CAUSAL or MASK_GENERAL
-    score_mod: bool  # softcap / ALiBi
+    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
 
 
 @dataclass(frozen=True)
@@ -123,26 +123,26 @@ def dq_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
 
 # --- variants -----------------------------------------------------------------------------------
 
-def _tiled(name: str, head_dim: int, tiles: tuple, smem_bytes, mask: int, score_mod: bool) -> KernelVariant:
+def _tiled(name: str, head_dim: int, tiles: tuple, smem_bytes, mask: int, score_mod: int) -> KernelVariant:
     block_m, block_n = tiles
     smem = smem_bytes(head_dim, block_m, block_n)
     if smem > MAX_SMEM_BYTES:  # a tile-table edit that breaks the promise fails here, on the CPU
         raise AssertionError(f"{name}<{head_dim}, {block_m}, {block_n}> needs {smem=} > {MAX_SMEM_BYTES}")
-    return KernelVariant(SOURCE, name, SimtConfig(head_dim, block_m, block_n, int(mask), bool(score_mod)), THREADS,
+    return KernelVariant(SOURCE, name, SimtConfig(head_dim, block_m, block_n, int(mask), int(score_mod)), THREADS,
                          smem)
 
 
-def forward_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+def forward_variant(head_dim: int, mask: int, score_mod: int = 0) -> KernelVariant:
     return _tiled("cuflash::flash_fwd_simt_kernel", head_dim, forward_tiles(head_dim), forward_smem_bytes, mask,
                   score_mod)
 
 
-def dkdv_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+def dkdv_variant(head_dim: int, mask: int, score_mod: int = 0) -> KernelVariant:
     return _tiled("cuflash::flash_bwd_dkdv_simt_kernel", head_dim, dkdv_tiles(head_dim), dkdv_smem_bytes, mask,
                   score_mod)
 
 
-def dq_variant(head_dim: int, mask: int, score_mod: bool = False) -> KernelVariant:
+def dq_variant(head_dim: int, mask: int, score_mod: int = 0) -> KernelVariant:
     return _tiled("cuflash::flash_bwd_dq_simt_kernel", head_dim, dq_tiles(head_dim), dq_smem_bytes, mask, score_mod)
 
 
@@ -168,10 +168,10 @@ def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     _check(shape, arch)
     variant = forward_variant(shape.head_dim_bucket, shape.mask_kind, shape.score_mod)
     grid = (_cdiv(shape.seqlen_q, variant.config.block_m), shape.num_heads, shape.batch)
-    if shape.mask_kind != MASK_GENERAL:
+    if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(variant, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k,
-                                                   variant.config.block_m, variant.config.block_n, False)
+                                                   variant.config.block_m, variant.config.block_n, False, shape.mask_heads)
     return Plan(launches=(lists, Launch(variant, grid)), scratch=(scratch,), fields=fields)
 
 
@@ -190,11 +190,11 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     launches = [Launch(preprocess_variant(bucket), (_cdiv(sq, PREP_ROWS), h, b))]
     scratch = [("softmax_d", (b, h, sq))]
     fields = []
-    general = shape.mask_kind == MASK_GENERAL
+    general = is_general(shape.mask_kind)
     if general:  # the query blocks of each key block (dK/dV), the key blocks of each query block (dQ)
         for kernel, transposed in ((dkdv, True), (dq, False)):
             pre, lists, list_fields = block_lists.lists_for(b, sq, sk, kernel.config.block_m, kernel.config.block_n,
-                                                            transposed)
+                                                            transposed, shape.mask_heads)
             launches.append(pre)
             scratch.append(lists)
             fields += list_fields
@@ -215,7 +215,7 @@ def all_variants(arch: int) -> list:
     out = []
     for head_dim in HEAD_DIM_BUCKETS:
         for mask in MASK_KINDS:
-            for mod in (False, True):
+            for mod in SCORE_MODS:
                 out += [forward_variant(head_dim, mask, mod), dkdv_variant(head_dim, mask, mod),
                         dq_variant(head_dim, mask, mod)]
         out += [preprocess_variant(head_dim), reduce_variant(head_dim)]

@@ -1,0 +1,197 @@
+// The additive score bias: where its elements live and how the kernels read them.
+//
+// params.bias (B|1, H|Hkv|1, Sq|1, Sk|1) in the input dtype, stride 0 along broadcast dims (params.cuh).
+// Two ways to read element (row, col) of one (batch, head):
+//   staged  the load side of a mainloop copies the (rows x keys) tile of each step into shared memory with
+//           cp.async, in the cp.async group of the step's K tile (BiasTile::copy), and the score
+//           modifier reads it there (BiasTileRef): the global latency hides behind the pipeline like K's.
+//           Needs 16-byte rows: the keys contiguous, every stride a multiple of 8 elements (or 0) and a
+//           16-byte aligned base; the host says so in params.bias_staged.
+//   direct  an __ldg per element (a 32-bit load per column pair in the C-fragment walk), with indices
+//           clamped into the sequence: any strides (a key-broadcast bias has column stride 0), and the
+//           kernels that stage nothing (the deterministic dQ kernel, the fp32 SIMT kernels).
+// Tiles are row-major [row][key] with a 16-byte pad per row: the C-fragment reads (8 rows x 4 column pairs
+// per instruction) and the transposed ones (8 keys x 4 rows) then touch 32 distinct banks.
+// dbias: store_grad writes dS for one (row, col): a store where each dbias element has one writer (a bias
+// with an element per score), an fp32 atomic add into params.dbias_accum where it broadcasts.
+#pragma once
+
+#include "cuflash/mma_sm80.cuh"
+#include "cuflash/params.cuh"
+#include "cuflash/tile.cuh"
+
+namespace cuflash {
+
+// Where a staged bias tile of this step sits: its shared-memory address, the (row, col) of its first
+// element and its row pitch in bytes; pitch 0 = nothing staged (read the bias directly).
+struct BiasTileRef {
+    unsigned smem;
+    int row0, col0, pitch;
+    static __device__ __forceinline__ BiasTileRef none() { return BiasTileRef{0u, 0, 0, 0}; }
+};
+
+// The shared-memory tile of kRows rows x kCols keys, and its copy from global memory.
+template <typename Elem, int kRows, int kCols>
+struct BiasTile {
+    static constexpr int kPitch = kCols * int(sizeof(Elem)) + 16;
+    static constexpr int kBytes = kRows * kPitch;
+    static constexpr int kChunks = kCols * int(sizeof(Elem)) / 16;  // 16-byte chunks per row
+    static_assert(kCols * sizeof(Elem) % 16 == 0, "bias tile rows are whole 16-byte chunks");
+
+    // The bias of (b, h): rows [row0, row0 + kRows) x keys [col0, col0 + kCols), zero-filled past Sq / Sk.
+    // One cp.async per chunk (uniform per thread); the caller commits the group. Only when params.bias_staged.
+    template <int kThreads>
+    static __device__ __forceinline__ void copy(unsigned smem, const AttnParams& p, int b, int h, int row0, int col0,
+                                                int tid) {
+        const Elem* base = static_cast<const Elem*>(p.bias) + b * p.bias_batch_stride +
+                           (h / p.bias_head_div) * p.bias_head_stride;
+        const int rows_valid = p.seqlen_q - row0, cols_valid = p.seqlen_k - col0;
+        constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+        for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+            const int i = tid + it * kThreads;
+            if (kTotal % kThreads == 0 || i < kTotal) {
+                const int row = i / kChunks, chunk = i % kChunks;
+                const int col = chunk * (16 / int(sizeof(Elem)));
+                const int bytes = row < rows_valid ? max(0, min(16, (cols_valid - col) * int(sizeof(Elem)))) : 0;
+                const Elem* src = bytes > 0 ? base + (row0 + row) * p.bias_row_stride + col0 + col : base;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem + row * kPitch + chunk * 16),
+                             "l"(src), "r"(bytes));
+            }
+        }
+    }
+};
+
+// The bias of one (batch, head), read staged or directly (see the top of the file). Empty without a bias.
+template <typename Elem, bool kBias>
+struct BiasView {
+    __device__ __forceinline__ BiasView(const AttnParams&, int, int) {}
+    __device__ __forceinline__ float at(int, int, const BiasTileRef&) const { return 0.f; }
+    __device__ __forceinline__ float2 pair_at(int, int, const BiasTileRef&) const { return make_float2(0.f, 0.f); }
+    __device__ __forceinline__ void store_grad(const AttnParams&, int, int, int, int, float) const {}
+};
+
+template <typename Elem>
+struct BiasView<Elem, true> {
+    const Elem* base;
+    long long row_stride;
+    int col_stride, last_row, last_col;
+    bool pairs;  // direct reads: rows contiguous, and every even column 2-element aligned
+
+    __device__ __forceinline__ BiasView(const AttnParams& p, int b, int h)
+        : base(static_cast<const Elem*>(p.bias) + b * p.bias_batch_stride + (h / p.bias_head_div) * p.bias_head_stride),
+          row_stride(p.bias_row_stride), col_stride(p.bias_col_stride), last_row(p.seqlen_q - 1),
+          last_col(p.seqlen_k - 1),
+          pairs(col_stride == 1 && (row_stride & 1) == 0 &&
+                (reinterpret_cast<unsigned long long>(base) & (2 * sizeof(Elem) - 1)) == 0) {}
+
+    // Element (row, col): from the staged tile, or directly with the indices clamped into the sequence.
+    __device__ __forceinline__ float at(int row, int col, const BiasTileRef& tile) const {
+        if (tile.pitch != 0) {
+            const unsigned addr = tile.smem + (row - tile.row0) * tile.pitch + (col - tile.col0) * int(sizeof(Elem));
+            return load_shared(addr, Elem());
+        }
+        const int r = min(row, last_row), c = min(col, last_col);
+        return to_float(base[r * row_stride + c * col_stride]);
+    }
+
+    // Columns col (even) and col + 1 of one row: one 32-bit read where it can.
+    __device__ __forceinline__ float2 pair_at(int row, int col, const BiasTileRef& tile) const {
+        if (tile.pitch != 0) {
+            const unsigned addr = tile.smem + (row - tile.row0) * tile.pitch + (col - tile.col0) * int(sizeof(Elem));
+            return load_shared_pair(addr, Elem());
+        }
+        const int r = min(row, last_row);
+        if (pairs && col < last_col) {
+            const Elem* p = base + r * row_stride + col;
+            if constexpr (sizeof(Elem) == 2) {
+                return unpack(__ldg(reinterpret_cast<const unsigned*>(p)), Elem());
+            } else {
+                return __ldg(reinterpret_cast<const float2*>(p));
+            }
+        }
+        return make_float2(at(row, col, BiasTileRef::none()), at(row, col + 1, BiasTileRef::none()));
+    }
+
+    // dbias[b, h, row, col] (+)= ds for row < Sq, col < Sk (the parameters are read here, where used).
+    __device__ __forceinline__ void store_grad(const AttnParams& p, int b, int h, int row, int col, float ds) const {
+        if (row > last_row || col > last_col) return;
+        const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride +
+                                 row * p.dbias_row_stride + col * p.dbias_col_stride;
+        if (p.dbias_accum != nullptr) {
+            atomicAdd(p.dbias_accum + offset, ds);
+        } else {
+            static_cast<Elem*>(p.dbias)[offset] = from_float(ds, Elem());
+        }
+    }
+
+  private:
+    static __device__ __forceinline__ float2 unpack(unsigned bits, __half) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    }
+    static __device__ __forceinline__ float2 unpack(unsigned bits, __nv_bfloat16) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+    }
+    template <typename T>
+    static __device__ __forceinline__ float load_shared(unsigned addr, T) {
+        unsigned short bits;
+        asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(addr));
+        return unpack(bits, T()).x;
+    }
+    static __device__ __forceinline__ float load_shared(unsigned addr, float) {
+        float x;
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
+        return x;
+    }
+    template <typename T>
+    static __device__ __forceinline__ float2 load_shared_pair(unsigned addr, T) {
+        unsigned bits;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(addr));
+        return unpack(bits, T());
+    }
+    static __device__ __forceinline__ float2 load_shared_pair(unsigned addr, float) {
+        float2 x;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x.x), "=f"(x.y) : "r"(addr));
+        return x;
+    }
+    static __device__ __forceinline__ float from_float(float x, float) { return x; }
+    static __device__ __forceinline__ __half from_float(float x, __half) { return __float2half_rn(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) { return __float2bfloat16_rn(x); }
+};
+
+// dbias rows [query0, query0 + kQueries) x keys [key0, key0 + kKeys) of (b, h) from the dK/dV kernel's dS^T
+// tile in shared memory (TileP: [key][query] of Elem, swizzled, the atomic dQ step's operand): a thread
+// gathers 8 keys of one query and writes them with one 16-byte store where the row allows (else element
+// by element), consecutive threads along the keys of a row. For a bias with one element per score, no
+// softcap (the tile holds dS before any modifier factor only then), dbias_col_stride == 1; the caller has
+// made the tile visible (a barrier).
+template <typename Elem, typename TileP, int kThreads>
+__device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int h, int query0, int key0, unsigned s_ds,
+                                                 int tid) {
+    constexpr int kKeys = TileP::kRows, kQueries = TileP::kCols, kChunks = kKeys / 8;
+    static_assert(sizeof(Elem) == 2 && kKeys % 8 == 0, "16-bit tiles of whole 8-key chunks");
+    Elem* base = static_cast<Elem*>(p.dbias) + b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
+    const int rows = p.seqlen_q - query0, cols = p.seqlen_k - key0;
+    for (int i = tid; i < kQueries * kChunks; i += kThreads) {
+        const int q = i / kChunks, c = i % kChunks;
+        if (q >= rows || c * 8 >= cols) continue;
+        unsigned short v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + e, q)));
+        }
+        Elem* dst = base + (query0 + q) * p.dbias_row_stride + key0 + c * 8;
+        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+            const uint4 packed = make_uint4(v[0] | (unsigned(v[1]) << 16), v[2] | (unsigned(v[3]) << 16),
+                                            v[4] | (unsigned(v[5]) << 16), v[6] | (unsigned(v[7]) << 16));
+            *reinterpret_cast<uint4*>(dst) = packed;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                if (c * 8 + e < cols) reinterpret_cast<unsigned short*>(dst)[e] = v[e];
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
