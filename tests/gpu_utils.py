@@ -90,6 +90,26 @@ BLOCK_KINDS = {
 }
 #: ``Problem.alibi``: slopes of shape (H,) (the ALiBi paper's geometric ones) or (B, H) (random).
 ALIBI_KINDS = ("h", "bh")
+#: How ``Problem.bias`` draws the additive bias (standard normal values in the input dtype unless said).
+BIAS_KINDS = {
+    "full": "(B, H, Sq, Sk): one element per score, dbias stored directly",
+    "heads": "(1, H, Sq, Sk): shared by the batch, dbias summed over it",
+    "kv": "(B, Hkv, Sq, Sk): one per kv head, dbias summed over each GQA group",
+    "keys": "(B, 1, 1, Sk): a key-padding bias with some -inf keys",
+    "rows": "(B, H, Sq, 1): one value per query row (cancels in the softmax: dbias ~ 0)",
+    "expanded": "(1, H, Sq, Sk) broadcast_to (B, H, Sq, Sk): stride 0 over the batch, dbias full-shaped",
+    "neginf": "(B, H, Sq, Sk) with ~15% -inf entries and some whole rows of -inf",
+    "large": "(B, H, Sq, Sk) with values of +-30",
+}
+#: How ``Problem.mask`` draws the bool mask (True = attend).
+MASK_KINDS = {
+    "random": "(B, 1, Sq, Sk), each pair visible with probability 0.7 (every tile partial)",
+    "tiles": "(B, 1, Sq, Sk), 64 x 64 tiles all True, all False or random (tile skipping and full tiles)",
+    "heads": "(1, H, Sq, Sk) random per head (per-head block lists)",
+    "kv": "(B, Hkv, Sq, Sk) tiles per kv head",
+    "keys": "(B, 1, 1, Sk) key padding: a random tail of keys hidden",
+    "rows": "(B, 1, Sq, Sk) random, with some query rows all False (they see nothing)",
+}
 
 # NaN bit patterns used to poison buffers (quiet NaN of each format).
 _NAN_BITS = {2: (np.uint16, 0x7E00), 4: (np.uint32, 0x7FC00000)}
@@ -122,9 +142,12 @@ class Problem:
     alibi: str | None = None  # ALIBI_KINDS: slopes (H,) or (B, H); None = off
     segments: str | None = None  # SEGMENT_KINDS: how segment_ids are drawn; None = off
     blocks: str | None = None  # BLOCK_KINDS: how block_ids are drawn; None = off
+    bias: str | None = None  # BIAS_KINDS: how the additive bias is drawn; None = off
+    mask: str | None = None  # MASK_KINDS: how the bool mask is drawn; None = off
 
     def __post_init__(self):
-        for name, value, kinds in (("alibi", self.alibi, ALIBI_KINDS),
+        for name, value, kinds in (("alibi", self.alibi, ALIBI_KINDS), ("bias", self.bias, BIAS_KINDS),
+                                   ("mask", self.mask, MASK_KINDS),
                                    ("segments", self.segments, SEGMENT_KINDS),
                                    ("blocks", self.blocks, BLOCK_KINDS)):
             if value is not None and value not in kinds:
@@ -173,6 +196,10 @@ class Problem:
             parts.append(f"seg{self.segments}")
         if self.blocks is not None:
             parts.append(f"blk{self.blocks}")
+        if self.bias is not None:
+            parts.append(f"bias{self.bias}")
+        if self.mask is not None:
+            parts.append(f"mask{self.mask}")
         return "-".join(parts)
 
     def __str__(self) -> str:  # hypothesis and assertion messages print this
@@ -333,6 +360,8 @@ class Inputs:
     alibi_slopes: object = None  # (H,) or (B, H) float32, or None
     segment_ids: object = None  # (q_ids (B, Sq), k_ids (B, Sk)) int32, or None
     block_ids: object = None  # (q_ids (B, Sq), k_ids (B, Sk)) int32, or None
+    bias: object = None  # broadcastable to (B, H, Sq, Sk) in the input dtype, or None
+    mask: object = None  # bool, broadcastable to (B, H, Sq, Sk), or None
 
 
 def make_inputs(p: Problem, seed: int | None = None) -> Inputs:
@@ -355,7 +384,50 @@ def make_inputs(p: Problem, seed: int | None = None) -> Inputs:
             x.segment_ids = tuple(cupy.asarray(ids) for ids in draw_segment_ids(option_rng, p))
         if p.blocks is not None:
             x.block_ids = tuple(cupy.asarray(ids) for ids in draw_block_ids(option_rng, p))
+    if p.bias is not None:
+        x.bias = draw_bias(np.random.default_rng([seed, 2]), p)
+    if p.mask is not None:
+        x.mask = cupy.asarray(draw_mask(np.random.default_rng([seed, 3]), p))
     return x
+
+
+def draw_mask(rng, p: Problem) -> np.ndarray:
+    """The bool mask of ``p`` (MASK_KINDS[p.mask]) on the host."""
+    if p.mask == "keys":
+        keep = np.ones((p.B, 1, 1, p.Sk), bool)
+        for b in range(p.B):
+            keep[b, ..., int(rng.integers(max(1, p.Sk // 2), p.Sk + 1)):] = False
+        return keep
+    heads = {"heads": p.H, "kv": p.Hkv}.get(p.mask, 1)
+    shape = (1 if p.mask == "heads" else p.B, heads, p.Sq, p.Sk)
+    if p.mask in ("tiles", "kv"):
+        tiles = rng.integers(0, 3, (shape[0], heads, -(-p.Sq // 64), -(-p.Sk // 64)))
+        kind = np.repeat(np.repeat(tiles, 64, axis=2), 64, axis=3)[:, :, :p.Sq, :p.Sk]
+        return np.where(kind == 2, rng.random(shape) < 0.5, kind == 1)
+    mask = rng.random(shape) < 0.7
+    if p.mask == "rows" and p.Sq:
+        mask[:, :, rng.random(p.Sq) < 0.15, :] = False
+    return mask
+
+
+def draw_bias(rng, p: Problem):
+    """The bias of ``p`` (BIAS_KINDS[p.bias]) on the device, in the input dtype."""
+    full = (p.B, p.H, p.Sq, p.Sk)
+    shape = {"heads": (1, p.H, p.Sq, p.Sk), "kv": (p.B, p.Hkv, p.Sq, p.Sk), "keys": (p.B, 1, 1, p.Sk),
+             "rows": (p.B, p.H, p.Sq, 1), "expanded": (1, p.H, p.Sq, p.Sk)}.get(p.bias, full)
+    host = rng.standard_normal(shape)
+    if p.bias == "keys" and p.Sk > 1:
+        host[..., rng.random(p.Sk) < 0.2] = -np.inf
+    if p.bias == "neginf":
+        host[rng.random(shape) < 0.15] = -np.inf
+        if p.Sq:
+            host[:, :, rng.random(p.Sq) < 0.1, :] = -np.inf
+    if p.bias == "large":
+        host = 30.0 * np.sign(host)
+    bias = to_device(host, p.np_dtype)
+    if p.bias == "expanded":
+        bias = cupy.broadcast_to(bias, full)
+    return bias
 
 
 def draw_alibi_slopes(rng, p: Problem) -> np.ndarray:
@@ -416,7 +488,7 @@ def option_kwargs(p: Problem, x: Inputs) -> dict:
         options["window"] = tuple(p.window)
     if p.softcap is not None:
         options["softcap"] = p.softcap
-    for name in ("alibi_slopes", "segment_ids", "block_ids"):
+    for name in ("alibi_slopes", "segment_ids", "block_ids", "bias", "mask"):
         if getattr(x, name) is not None:
             options[name] = getattr(x, name)
     return options
@@ -424,7 +496,8 @@ def option_kwargs(p: Problem, x: Inputs) -> dict:
 
 def visibility(p: Problem, x: Inputs):
     """(B, Sq, Sk) bool: which key each query row sees under causal, window and ids (straight from
-    the API's wording: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, ...)."""
+    the API's wording: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, ...);
+    (B, mask heads, Sq, Sk) with a bool mask."""
     diagonal = cupy.arange(p.Sq)[:, None] + (p.Sk - p.Sq)  # query i's aligned position
     j = cupy.arange(p.Sk)[None, :]
     visible = cupy.ones((p.B, p.Sq, p.Sk), dtype=bool)
@@ -439,6 +512,8 @@ def visibility(p: Problem, x: Inputs):
         visible &= x.segment_ids[0][:, :, None] == x.segment_ids[1][:, None, :]
     if x.block_ids is not None:
         visible &= x.block_ids[1][:, None, :] <= x.block_ids[0][:, :, None]
+    if x.mask is not None:  # (B, mask heads, Sq, Sk): the mask's head dim is kept
+        visible = visible[:, None] & x.mask
     return visible
 
 
@@ -449,6 +524,7 @@ class Result:
     dq: object = None
     dk: object = None
     dv: object = None
+    dbias: object = None
 
 
 def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
@@ -477,13 +553,21 @@ def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
     result = Result(out, lse)
     if not backward:
         return result
+    extra = {}
+    names, buffers = ("dq", "dk", "dv"), [dq, dk, dv]
+    if x.bias is not None:
+        extra["dbias"] = nan_buffer(x.bias.shape, p.np_dtype)
+        names, buffers = names + ("dbias",), buffers + [extra["dbias"]]
+        if stream is not None:
+            cupy.cuda.get_current_stream().synchronize()
     grads = cuflash.attention_backward(
         x.dout, x.q, x.k, x.v, out, lse, dlse=x.dlse, scale=p.scale, causal=p.causal,
-        deterministic=p.deterministic, dq=dq, dk=dk, dv=dv, stream=stream, **options)
-    assert len(grads) == 3, f"attention_backward returned {len(grads)} arrays, expected (dq, dk, dv)"
-    for name, got, buf in zip(("dq", "dk", "dv"), grads, (dq, dk, dv), strict=True):
+        deterministic=p.deterministic, dq=dq, dk=dk, dv=dv, stream=stream, **extra, **options)
+    assert len(grads) == len(names), f"attention_backward returned {len(grads)} arrays, expected {names}"
+    for name, got, buf in zip(names, grads, buffers, strict=True):
         _check_returned(name, got, buf)
     result.dq, result.dk, result.dv = dq, dk, dv
+    result.dbias = extra.get("dbias")
     return result
 
 
@@ -661,10 +745,13 @@ def one_key_rows(p: Problem, x: Inputs | None = None) -> float:
     so their exact dq and their share of dk are 0 while FlashAttention leaves rounding noise.
     With a window or ids (these need ``x``) they are counted from the masks, averaged over the
     batch."""
-    if p.window is not None or (x is not None and (x.segment_ids is not None or x.block_ids is not None)):
+    if p.window is not None or (x is not None and (x.segment_ids is not None or x.block_ids is not None
+                                                   or x.mask is not None)):
         if p.B == 0:
             return 0
-        return int(cupy.count_nonzero(visibility(p, x).sum(axis=-1) == 1)) / p.B
+        visible = visibility(p, x)
+        per = p.B * (visible.shape[1] if visible.ndim == 4 else 1)
+        return int(cupy.count_nonzero(visible.sum(axis=-1) == 1)) / per
     if p.Sk == 1:
         return 1 if p.causal else p.Sq
     return 1 if p.causal and p.Sq >= p.Sk else 0  # causal row Sq - Sk sees only key 0
@@ -687,7 +774,7 @@ def check_backward(report: Report, p: Problem, x: Inputs, r: Result, e: Expected
     everywhere, e.g. huge logits). Names in ``finite_only`` (ill-conditioned by construction) are
     only checked to be written and finite."""
     allowances = cancellation_allowance(p, x, p.Sq if degenerate else one_key_rows(p, x))
-    for name in ("dq", "dk", "dv"):
+    for name in ("dq", "dk", "dv") + (("dbias",) if r.dbias is not None else ()):
         got = check_written(report, name, getattr(r, name))
         if name in finite_only or not bool(cupy.all(cupy.isfinite(got))):
             continue
@@ -763,11 +850,11 @@ def report_line(config, message: str) -> None:
 
 def check_deterministic(p: Problem, runs: int) -> None:
     """``p`` (deterministic=True) checked against float64 once, then run ``runs - 1`` more times: every
-    output (out, lse, dq, dk, dv) must be bit-identical to the first run's."""
+    output (out, lse, dq, dk, dv, and dbias with a bias) must be bit-identical to the first run's."""
     x = make_inputs(p)
     first = check_attention(p, inputs=x)
     for run in range(1, runs):
         again = run_cuflash(p, x)
-        for name in ("out", "lse", "dq", "dk", "dv"):
+        for name in ("out", "lse", "dq", "dk", "dv") + (("dbias",) if first.dbias is not None else ()):
             assert bit_identical(getattr(again, name), getattr(first, name)), (
                 f"{p.id}: {name} of run {run} differs bitwise from run 0")

@@ -83,15 +83,15 @@ def test_config_field_order_is_the_template_argument_order():
     fwd = forward.variant("bfloat16", 128, 1, 80).config
     assert build.render_name(forward.variant("bfloat16", 128, 1, 80)) == (
         f"cuflash::flash_fwd_kernel<__nv_bfloat16, 128, {fwd.block_m}, {fwd.block_n}, {fwd.num_warps}, "
-        f"{fwd.stages}, 1, false, false>")
-    dkdv = backward.dkdv_variant(90, "float16", 64, 0, True, score_mod=True)
+        f"{fwd.stages}, 1, 0, false>")
+    dkdv = backward.dkdv_variant(90, "float16", 64, 0, True, score_mod=1)
     tile = dkdv.config
     assert build.render_name(dkdv) == (
         f"cuflash::flash_bwd_dkdv_kernel<__half, 64, {tile.block_m}, {tile.block_n}, {tile.num_warps}, "
-        "0, true, true, false>")
-    dq = simt.dq_variant(96, 2)
+        "0, 1, true, false>")
+    dq = simt.dq_variant(96, 2, 3)
     assert build.render_name(dq) == (
-        f"cuflash::flash_bwd_dq_simt_kernel<96, {dq.config.block_m}, {dq.config.block_n}, 2, false>")
+        f"cuflash::flash_bwd_dq_simt_kernel<96, {dq.config.block_m}, {dq.config.block_n}, 2, 3>")
 
 
 def test_params_mirror_has_the_c_struct_size(source_copy):

@@ -126,8 +126,12 @@ def test_cpu_arrays_and_bad_arguments_still_refused_after_caching(gpu):
         cuflash.attention_forward(q, k, v, stream="default")
     with pytest.raises(TypeError, match="scale must be a number"):
         cuflash.attention_forward(q, k, v, scale=[1.0])
-    with pytest.raises(NotImplementedError, match="bias= is not implemented"):
-        cuflash.attention_forward(q, k, v, bias=q)
+    with pytest.raises(NotImplementedError, match="dropout_p= is not implemented"):
+        cuflash.attention_forward(q, k, v, dropout_p=0.1)
+    with pytest.raises(TypeError, match="mask must have dtype bool"):
+        cuflash.attention_forward(q, k, v, mask=gpu.array((2, 4, 33, 47), np.float32))
+    with pytest.raises(TypeError, match="bias must have q's dtype"):
+        cuflash.attention_forward(q, k, v, bias=gpu.array((2, 4, 33, 47), np.float32))
     with pytest.raises(ValueError, match="softcap must be a finite number"):
         cuflash.attention_forward(q, k, v, softcap=-30.0)
 
@@ -253,3 +257,46 @@ def test_calls_with_score_options_are_cached_and_patch_every_pointer(gpu, checks
     assert checks["check_qkv"] == validated + 1
     with pytest.raises(ValueError, match="window left must be >= 0"):
         call(q2, k2, v2, dict(opts2, window=(-1, None)))
+
+
+@pytest.mark.parametrize("entry", ["forward", "backward"])
+def test_calls_with_a_bool_mask_or_a_bias_are_cached(gpu, checks, entry):
+    """A bool mask (forward and backward) and a bias (forward; its backward makes dbias buffers on the
+    validating path) take the cached path: the hit patches their pointers after the lists."""
+    q, k, v = qkv(gpu)
+
+    def opts_for():
+        opts = {"mask": gpu.array((2, 2, 33, 47), np.bool_)}
+        if entry == "forward":
+            opts["bias"] = gpu.array((1, 4, 33, 47), BF16)
+        return opts
+
+    def call(q, k, v, opts):
+        if entry == "forward":
+            return cuflash.attention_forward(q, k, v, causal=True, **opts)
+        out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+        return cuflash.attention_backward(gpu.array((2, 33, 4, 64), BF16), q, k, v, out, lse, causal=True, **opts)
+
+    opts = opts_for()
+    call(q, k, v, opts)
+    first = list(gpu.launches)
+    validated = checks["check_qkv"]
+    q2, k2, v2 = qkv(gpu)
+    opts2 = opts_for()
+    call(q2, k2, v2, opts2)
+    assert checks["check_qkv"] == validated, "a cache hit validated again"
+    second = gpu.launches[len(first):]
+    assert len(second) == len(first) >= 2
+    for a, b in zip(first, second):
+        assert a[:5] == b[:5]
+        assert _non_pointer_bytes(a[5]) == _non_pointer_bytes(b[5])
+    for launch_ in second:
+        ptrs = pointers_of(launch_[5])
+        assert ptrs["mask"] == opts2["mask"].data.ptr and ptrs["q"] == q2.data.ptr
+        assert ptrs["bias"] == (opts2["bias"].data.ptr if entry == "forward" else 0)
+        assert ptrs["dbias"] == ptrs["dbias_accum"] == 0
+    if entry == "backward":  # a bias in the backward takes the validating path (it makes the dbias buffers)
+        from cuflash import api
+
+        with pytest.raises(KeyError):
+            api._score_options_key(dict(opts2, bias=gpu.array((1, 4, 33, 47), BF16)), bias_ok=False)

@@ -3,7 +3,8 @@
 Each example draws B, Sq, Sk (1..600, mostly small), H and a dividing Hkv, D (a multiple of 8 up to
 256), Dv (usually D), dtype, causal, scale (mostly positive, sometimes zero or negative), layout (contiguous, (B,H,S,D) viewed as bshd, or padded
 rows), deterministic and an optional dlse; then, each with its own probability and freely combined,
-a sliding window, a softcap, ALiBi slopes, segment ids and block ids (``OPTION_ODDS``). It holds
+a sliding window, a softcap, ALiBi slopes, segment ids, block ids, an additive bias (its gradient checked
+too) and a bool mask (``OPTION_ODDS``). It holds
 cuflash to the rule in gpu_utils' docstring, writing into NaN-poisoned buffers.
 
 - Short mode (default): 100 derandomized examples, the same ones every run (~10-20 s).
@@ -38,7 +39,7 @@ SHORT_EXAMPLES = 100
 
 _stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "by_option": collections.Counter(),
           "seconds": 0.0}
-_OPTIONS = ("window", "softcap", "alibi", "segments", "blocks")
+_OPTIONS = ("window", "softcap", "alibi", "segments", "blocks", "bias", "mask")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,7 +76,11 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 
 #: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
 #: none, the short mode's 100 included; the session summary prints how many used each).
-OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5}
+OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5}
+#: Bias kinds by mode: deterministic=True takes only those with one element per score (a broadcast bias sums
+#: dbias with atomics and is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
+BIAS_ANY = ("full", "heads", "kv", "keys", "expanded", "neginf", "large")
+BIAS_FULL_SHAPE = ("full", "expanded", "neginf", "large")
 # A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.
 WINDOW_SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 600))
 
@@ -98,6 +103,7 @@ def problems(draw):
     factor = draw(st.one_of(st.none(), st.floats(0.1, 2.5), st.floats(0.1, 2.5), st.floats(0.1, 2.5),
                             st.floats(-2.5, -0.1), st.just(0.0)))
     scale = None if factor is None else round(factor / head_dim ** 0.5, 4)
+    deterministic = draw(st.booleans())
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),
@@ -110,7 +116,7 @@ def problems(draw):
         causal=draw(st.booleans()),
         scale=scale,
         layout=draw(st.sampled_from(("bshd", "bshd", "bshd", "bhsd", "padded"))),
-        deterministic=draw(st.booleans()),
+        deterministic=deterministic,
         dlse=draw(st.integers(0, 4)) == 0,
         window=_maybe(draw, "window", st.tuples(WINDOW_SIDES, WINDOW_SIDES)),
         # caps from strongly bending (logits of std ~1 .. 2.5) to nearly the identity
@@ -118,6 +124,8 @@ def problems(draw):
         alibi=_maybe(draw, "alibi", st.sampled_from(gu.ALIBI_KINDS)),
         segments=_maybe(draw, "segments", st.sampled_from(tuple(gu.SEGMENT_KINDS))),
         blocks=_maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS))),
+        bias=_maybe(draw, "bias", st.sampled_from(BIAS_FULL_SHAPE if deterministic else BIAS_ANY)),
+        mask=_maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS))),
     )
 
 

@@ -291,3 +291,56 @@ def test_options_forward_and_grads_in_jit():
 
 def _is_array_option(value) -> bool:
     return isinstance(value, np.ndarray) or (isinstance(value, tuple) and isinstance(value[0], np.ndarray))
+
+
+@pytest.mark.parametrize("kind", ["full", "heads"])
+def test_bias_gets_its_gradient_in_jit(kind):
+    """A learnable bias under jit(grad): full (B, H, Sq, Sk), or (1, H, Sq, Sk) summed over the batch by
+    the kernels; bf16, causal, GQA, odd sizes, against float64."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, w = _inputs(jnp.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                         head_dim=40, seed=13)
+    shape = (batch, heads, seq_q, seq_k) if kind == "full" else (1, heads, seq_q, seq_k)
+    bias = jnp.asarray(np.random.default_rng(14).standard_normal(shape, dtype=np.float32)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def step(q, k, v, bias):
+        def loss(q, k, v, bias):
+            out = cfj.attention(q, k, v, causal=True, bias=bias)
+            return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+
+    (_, out), grads = step(q, k, v, bias)
+    q64, k64, v64, b64 = (_f64(x) for x in (q, k, v, bias))
+    ref_out, _ = reference.attention_forward(q64, k64, v64, causal=True, bias=b64)
+    ref = reference.attention_backward(_f64(w), q64, k64, v64, causal=True, bias=b64)
+    assert _error(out, ref_out) < TOLERANCE[jnp.bfloat16]
+    for name, g, x in zip(("dq", "dk", "dv", "dbias"), grads, (q, k, v, bias)):
+        assert g.dtype == jnp.bfloat16 and g.shape == x.shape, name
+        assert np.isfinite(_f64(g)).all(), name
+        assert _error(g, ref[name]) < TOLERANCE[jnp.bfloat16], name
+
+
+def test_bool_mask_in_jit():
+    """A (B, 1, Sq, Sk) bool mask as a traced operand under jit(grad), bf16, against float64."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, w = _inputs(jnp.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                         head_dim=40, seed=17)
+    mask_np = np.random.default_rng(18).random((batch, 1, seq_q, seq_k)) < 0.6
+    mask = jnp.asarray(mask_np)
+
+    @jax.jit
+    def step(q, k, v, mask):
+        def loss(q, k, v):
+            out = cfj.attention(q, k, v, causal=True, mask=mask)
+            return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    (_, out), grads = step(q, k, v, mask)
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    ref_out, _ = reference.attention_forward(q64, k64, v64, causal=True, mask=mask_np)
+    ref = reference.attention_backward(_f64(w), q64, k64, v64, causal=True, mask=mask_np)
+    assert _error(out, ref_out) < TOLERANCE[jnp.bfloat16]
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert np.isfinite(_f64(g)).all(), name
+        assert _error(g, ref[name]) < TOLERANCE[jnp.bfloat16], name

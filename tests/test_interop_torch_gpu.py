@@ -299,3 +299,54 @@ def test_options_under_compile_fullgraph():
             assert x.grad.dtype == torch.bfloat16
             assert bool(torch.isfinite(x.grad).all()), (name, grad_name)
             assert _error(x.grad, ref[grad_name]) < TOLERANCE[torch.bfloat16], (name, grad_name)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+@pytest.mark.parametrize("kind", ["full", "heads", "expanded"])
+def test_bias_gets_its_gradient(kind, compiled):
+    """A learnable bias through autograd (eagerly and under torch.compile(fullgraph=True)): a full
+    (B, H, Sq, Sk) leaf, a (1, H, Sq, Sk) leaf the kernels sum over the batch, and a (1, H, Sq, Sk) leaf
+    expanded to the full shape (stride 0: torch's expand backward sums the full dbias); bf16, causal,
+    GQA, odd sizes, against float64."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, dout = _inputs(torch.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                            head_dim=40, seed=11)
+    g = torch.Generator().manual_seed(12)
+    shape = (batch, heads, seq_q, seq_k) if kind == "full" else (1, heads, seq_q, seq_k)
+    leaf = torch.randn(shape, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+
+    def step(q, k, v, leaf):
+        bias = leaf.expand(batch, heads, seq_q, seq_k) if kind == "expanded" else leaf
+        return cft.attention(q, k, v, causal=True, bias=bias)
+
+    out = (torch.compile(step, fullgraph=True) if compiled else step)(q, k, v, leaf)
+    out.backward(dout)
+    q64, k64, v64, bias64 = (_f64(x) for x in (q, k, v, leaf))
+    ref_out, _ = reference.attention_forward(q64, k64, v64, causal=True, bias=bias64)
+    ref = reference.attention_backward(_f64(dout), q64, k64, v64, causal=True, bias=bias64)
+    assert _error(out, ref_out) < TOLERANCE[torch.bfloat16]
+    for name, x in zip(("dq", "dk", "dv", "dbias"), (q, k, v, leaf)):
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16 and x.grad.shape == x.shape, name
+        assert bool(torch.isfinite(x.grad).all()), name
+        assert _error(x.grad, ref[name]) < TOLERANCE[torch.bfloat16], name
+
+
+def test_bool_mask_under_compile():
+    """A per-kv-head bool mask (no gradient) through torch.compile(fullgraph=True), bf16, against float64."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, dout = _inputs(torch.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                            head_dim=40, seed=15)
+    g = torch.Generator().manual_seed(16)
+    mask = (torch.rand((batch, 2, seq_q, seq_k), generator=g) < 0.7).cuda()
+    mask[:, :, 5, :] = False  # a row that sees nothing
+    out = torch.compile(lambda q, k, v: cft.attention(q, k, v, mask=mask), fullgraph=True)(q, k, v)
+    out.backward(dout)
+    q64, k64, v64 = (_f64(x) for x in (q, k, v))
+    m = mask.cpu().numpy()
+    ref_out, _ = reference.attention_forward(q64, k64, v64, mask=m)
+    ref = reference.attention_backward(_f64(dout), q64, k64, v64, mask=m)
+    assert _error(out, ref_out) < TOLERANCE[torch.bfloat16]
+    assert bool((out[:, 5] == 0).all())
+    for name, x in zip(("dq", "dk", "dv"), (q, k, v)):
+        assert bool(torch.isfinite(x.grad).all()), name
+        assert _error(x.grad, ref[name]) < TOLERANCE[torch.bfloat16], name

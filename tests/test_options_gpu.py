@@ -1,5 +1,6 @@
-"""Attention options on a GPU: sliding window, softcap, ALiBi, segment ids and block ids, alone and
-combined, forward and backward against the float64 reference (gpu_utils' rule, NaN-poisoned buffers).
+"""Attention options on a GPU: sliding window, softcap, ALiBi, segment ids, block ids and an additive bias
+(with dbias), alone and combined, forward and backward against the float64 reference (gpu_utils' rule,
+NaN-poisoned buffers).
 
 - ``test_options``: every option alone and the pairs models use (window + causal, softcap + ALiBi,
   segment ids + causal, block ids + window, segment + block ids, softcap + segment ids, ALiBi + window,
@@ -90,6 +91,95 @@ def _option_problems():
 
 OPTION_PROBLEMS = _option_problems()
 
+#: The additive bias: every broadcast form (gpu_utils.BIAS_KINDS), -inf entries and rows, values of +-30,
+#: and with the other options. Broadcast forms sum dbias with atomics, so only "full" / "expanded" /
+#: "neginf" / "large" run deterministic (a broadcast bias with deterministic=True raises, tested below).
+BIAS_PROBLEMS = []
+for _i, (_kind, _fields) in enumerate((
+        ("full", dict()), ("full", dict(causal=True, deterministic=True)), ("heads", dict(dlse=True)),
+        ("kv", dict(causal=True)), ("keys", dict()), ("rows", dict(dlse=True)),
+        ("expanded", dict(deterministic=True)), ("neginf", dict(dlse=True, deterministic=True)),
+        ("large", dict(causal=True)), ("full", dict(softcap=3.0, alibi="bh")),
+        ("full", dict(window=(40, 6), segments="docs", deterministic=True)), ("heads", dict(blocks="blocks")))):
+    for _offset, _dtype in enumerate(DTYPES):
+        _b, _sq, _sk, _h, _hkv, _d, _dv = SHAPES[(_i + 2 * _offset) % len(SHAPES)]
+        BIAS_PROBLEMS.append(Problem(_dtype, B=_b, Sq=_sq, Sk=_sk, H=_h, Hkv=_hkv, D=_d, Dv=_dv, bias=_kind,
+                                     **_fields))
+BIAS_PROBLEMS.append(Problem("bf16", B=2, Sq=1024, Sk=1024, H=4, Hkv=4, D=128, bias="full", causal=True))
+BIAS_PROBLEMS.append(Problem("fp16", B=1, Sq=700, Sk=900, H=8, Hkv=2, D=64, bias="kv", window=(200, 0)))
+
+
+@pytest.mark.parametrize("p", BIAS_PROBLEMS, ids=gu.problem_ids(BIAS_PROBLEMS))
+def test_bias(p):
+    gu.check_attention(p)
+
+
+#: The bool mask: every broadcast form (gpu_utils.MASK_KINDS: per batch, per head, per kv head, key padding),
+#: tiles all True / all False / mixed (skipped and full tiles), rows that see nothing, and with the other
+#: options (causal, window, segment ids, bias, softcap).
+MASK_PROBLEMS = []
+for _i, (_kind, _fields) in enumerate((
+        ("random", dict()), ("tiles", dict(deterministic=True)), ("heads", dict(dlse=True)),
+        ("kv", dict(causal=True)), ("keys", dict(deterministic=True)), ("rows", dict(dlse=True)),
+        ("tiles", dict(causal=True, segments="docs")), ("random", dict(window=(50, 10), softcap=3.0)),
+        ("tiles", dict(bias="full", deterministic=True)), ("heads", dict(blocks="blocks", alibi="h")))):
+    for _offset, _dtype in enumerate(DTYPES):
+        _b, _sq, _sk, _h, _hkv, _d, _dv = SHAPES[(_i + 2 * _offset) % len(SHAPES)]
+        MASK_PROBLEMS.append(Problem(_dtype, B=_b, Sq=_sq, Sk=_sk, H=_h, Hkv=_hkv, D=_d, Dv=_dv, mask=_kind,
+                                     **_fields))
+MASK_PROBLEMS.append(Problem("bf16", B=2, Sq=1000, Sk=1100, H=4, Hkv=2, D=128, mask="tiles", causal=True))
+MASK_PROBLEMS.append(Problem("fp16", B=1, Sq=777, Sk=900, H=6, Hkv=2, D=64, mask="kv", deterministic=True))
+
+
+@pytest.mark.parametrize("p", MASK_PROBLEMS, ids=gu.problem_ids(MASK_PROBLEMS))
+def test_bool_mask(p):
+    gu.check_attention(p)
+
+
+def test_bool_mask_all_false_and_all_true():
+    """A mask with nothing visible: out 0, lse -inf, every gradient 0; an all-True mask: bit-identical to
+    segment ids that always match (the same general-mask kernel, the same full / partial tiles)."""
+    p = Problem("bf16", B=2, Sq=130, Sk=200, H=4, Hkv=2, D=64, causal=True, deterministic=True)
+    x = gu.make_inputs(p)
+    none = cupy.zeros((p.B, 1, p.Sq, p.Sk), dtype=bool)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, causal=True, mask=none)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=True, mask=none, deterministic=True)
+    assert bool(cupy.all(out.astype(cupy.float32) == 0)) and bool(cupy.all(cupy.isneginf(lse)))
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert bool(cupy.all(g.astype(cupy.float32) == 0)), f"{name} is not 0 where nothing is visible"
+    every = cupy.ones((1, 1, p.Sq, p.Sk), dtype=bool)
+    ids = (cupy.zeros((p.B, p.Sq), cupy.int32), cupy.zeros((p.B, p.Sk), cupy.int32))
+    a = cuflash.attention_forward(x.q, x.k, x.v, causal=True, mask=every)
+    b = cuflash.attention_forward(x.q, x.k, x.v, causal=True, segment_ids=ids)
+    assert gu.bit_identical(a[0], b[0]) and gu.bit_identical(a[1], b[1])
+    ga = cuflash.attention_backward(x.dout, x.q, x.k, x.v, *a, causal=True, mask=every, deterministic=True)
+    gb = cuflash.attention_backward(x.dout, x.q, x.k, x.v, *b, causal=True, segment_ids=ids, deterministic=True)
+    for name, u, w in zip(("dq", "dk", "dv"), ga, gb, strict=True):
+        assert gu.bit_identical(u, w), f"{name}: an all-True mask differs from always-matching segment ids"
+
+
+def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
+    """deterministic=True with a broadcast bias says it is not implemented (its dbias sums with atomics);
+    without a dbias buffer the backward allocates one equal to the buffered call's result; dbias= without
+    bias is refused."""
+    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="heads")
+    x = gu.make_inputs(p)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, deterministic=True)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias)
+    assert len(grads) == 4 and grads[3].shape == x.bias.shape and grads[3].dtype == x.bias.dtype
+    with pytest.raises(ValueError, match="dbias"):
+        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, dbias=cupy.empty_like(x.bias))
+    full = Problem("fp16", B=1, Sq=70, Sk=90, H=2, Hkv=1, D=64, bias="full", causal=True, deterministic=True)
+    y = gu.make_inputs(full)
+    out, lse = cuflash.attention_forward(y.q, y.k, y.v, bias=y.bias, causal=True)
+    a = cuflash.attention_backward(y.dout, y.q, y.k, y.v, out, lse, bias=y.bias, causal=True, deterministic=True)
+    b = cuflash.attention_backward(y.dout, y.q, y.k, y.v, out, lse, bias=y.bias, causal=True, deterministic=True,
+                                   dbias=gu.nan_fill(cupy.empty_like(y.bias)))
+    for name, u, w in zip(("dq", "dk", "dv", "dbias"), a, b, strict=True):
+        assert gu.bit_identical(u, w), f"{name}: the self-allocating call differs from the buffered one"
+
 
 @pytest.mark.parametrize("p", OPTION_PROBLEMS, ids=gu.problem_ids(OPTION_PROBLEMS))
 def test_options(p):
@@ -168,6 +258,9 @@ DETERMINISM_PROBLEMS = (
             deterministic=True),
     Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, window=(20, 20), segments="random",
             softcap=2.0, deterministic=True),
+    Problem("bf16", B=2, Sq=257, Sk=190, H=4, Hkv=2, D=128, causal=True, bias="full", softcap=4.0,
+            deterministic=True, dlse=True),
+    Problem("fp32", B=1, Sq=100, Sk=130, H=3, Hkv=1, D=64, bias="expanded", deterministic=True),
 )
 RUNS = 3
 
@@ -179,13 +272,13 @@ def test_deterministic_backward_with_options(p):
 
 
 def test_ids_and_slopes_are_not_modified():
-    """Forward and backward read alibi_slopes, segment_ids and block_ids without writing them."""
+    """Forward and backward read alibi_slopes, segment_ids, block_ids and bias without writing them."""
     p = Problem("bf16", B=2, Sq=129, Sk=200, H=6, Hkv=2, D=64, causal=True, alibi="bh",
-                segments="docs", blocks="random")
+                segments="docs", blocks="random", bias="kv")
     x = gu.make_inputs(p)
     arrays = {"alibi_slopes": x.alibi_slopes, "segment_ids[0]": x.segment_ids[0],
               "segment_ids[1]": x.segment_ids[1], "block_ids[0]": x.block_ids[0],
-              "block_ids[1]": x.block_ids[1]}
+              "block_ids[1]": x.block_ids[1], "bias": x.bias}
     before = {name: a.copy() for name, a in arrays.items()}
     gu.run_cuflash(p, x)
     cupy.cuda.Device().synchronize()

@@ -6,7 +6,7 @@ import pytest
 import cuflash
 from cuflash import validation
 from cuflash.arrays import TensorDesc, resolve_stream
-from cuflash.kernels import ProblemShape
+from cuflash.kernels import MOD_BIAS, MOD_BIAS_SOFTCAP, ProblemShape
 
 pytest.importorskip("cupy")
 
@@ -118,7 +118,7 @@ def test_bad_buffers_raise_naming_the_argument(case, buffer, shape, dtype, rows_
         validation.check_buffer(buffer, shape, dtype, 0, rows_contiguous_only=rows_only)
 
 
-@pytest.mark.parametrize("option,value", [("mask", object()), ("bias", object()), ("dropout_p", 0.1)])
+@pytest.mark.parametrize("option,value", [("seed", 3), ("dropout_p", 0.1)])
 def test_planned_options_are_refused_by_name_not_ignored(option, value):
     with pytest.raises(NotImplementedError, match=f"{option}= is not implemented"):
         validation.reject_planned({option: value})
@@ -164,6 +164,30 @@ def test_score_options_select_the_variants_and_fold_causal():
     assert shape == _SHAPE and opts.params(False) == {}
 
 
+def test_bias_selects_the_bias_variant_and_maps_its_broadcast_dims():
+    shape, opts = _check_options(bias=((2, 4, 33, 47), "bfloat16"))
+    assert shape.score_mod == MOD_BIAS and not shape.general_mask and opts.bias_is_full(shape)
+    params = opts.params(False)
+    assert (params["bias_batch_stride"], params["bias_head_stride"], params["bias_row_stride"],
+            params["bias_col_stride"], params["bias_head_div"]) == (4 * 33 * 47, 33 * 47, 47, 1, 1)
+    # Hkv heads (2 of 4: two query heads per bias head), broadcast over the batch and the rows
+    shape, opts = _check_options(bias=((1, 2, 1, 47), "bfloat16"), softcap=5.0)
+    assert shape.score_mod == MOD_BIAS_SOFTCAP and not opts.bias_is_full(shape)
+    params = opts.params(False)
+    assert (params["bias_batch_stride"], params["bias_head_stride"], params["bias_row_stride"],
+            params["bias_col_stride"], params["bias_head_div"]) == (0, 47, 0, 1, 2)
+    # a bool mask per kv head: the general mask, block lists per mask head
+    shape, opts = _check_options(mask=((2, 2, 33, 47), "bool"))
+    assert shape.general_mask and shape.mask_heads == 2 and shape.mask_kind == 3
+    params = opts.params(False)
+    assert (params["mask_heads"], params["mask_head_div"], params["mask_head_stride"], params["mask_col_stride"]) == (
+        2, 2, 33 * 47, 1)
+    # broadcast over the keys by a stride of 0 (an expanded view), and a single head
+    _, opts = _check_options(bias=((2, 1, 33, 47), "bfloat16", (33, 33, 1, 0)))
+    params = opts.params(False)
+    assert (params["bias_head_stride"], params["bias_row_stride"], params["bias_col_stride"]) == (0, 1, 0)
+
+
 @pytest.mark.parametrize("options,error,message", [
     ({"window": 3}, TypeError, "window must be a pair"),
     ({"window": (1, 2, 3)}, TypeError, "window must be a pair"),
@@ -182,6 +206,18 @@ def test_score_options_select_the_variants_and_fold_causal():
     ({"segment_ids": (((2, 33), "int32"), ((2, 46), "int32"))}, ValueError, r"segment_ids\[1\] \(k_ids\) must have shape \(2, 47\)"),
     ({"block_ids": (((2, 47), "int32"), ((2, 47), "int32"))}, ValueError, r"block_ids\[0\] \(q_ids\) must have shape \(2, 33\)"),
     ({"block_ids": (((2, 33), "int32", None, 258), ((2, 47), "int32"))}, ValueError, "base pointer is not aligned"),
+    ({"bias": ((4, 33, 47), "bfloat16")}, ValueError, "bias must have 4 dimensions"),
+    ({"bias": ((2, 3, 33, 47), "bfloat16")}, ValueError, r"bias has 3 along axis 1 \(heads\)"),
+    ({"bias": ((2, 4, 32, 47), "bfloat16")}, ValueError, r"bias has 32 along axis 2 \(seq_q\)"),
+    ({"bias": ((2, 4, 33, 47), "float32")}, TypeError, "bias must have q's dtype bfloat16"),
+    ({"bias": ((2, 4, 33, 47), "bfloat16", None, 256, 1)}, ValueError, "bias is on CUDA device 1"),
+    ({"bias": ((2, 4, 33, 47), "bfloat16", (4 * 33 * 94, 33 * 94, 94, 2))}, ValueError, "bias must be contiguous"),
+    ({"bias": ((2, 4, 33, 47), "bfloat16", (-1, 33 * 47, 47, 1))}, ValueError, "bias has negative strides"),
+    ({"bias": ((2, 4, 33, 47), "bfloat16", None, 258)}, ValueError, "bias's base pointer is not aligned"),
+    ({"mask": ((2, 4, 33, 47), "uint8")}, TypeError, r"mask must have dtype bool \(True = attend\), got uint8"),
+    ({"mask": ((2, 3, 33, 47), "bool")}, ValueError, r"mask has 3 along axis 1 \(heads\)"),
+    ({"mask": ((2, 33, 47), "bool")}, ValueError, "mask must have 4 dimensions"),
+    ({"mask": ((2, 1, 33, 47), "bool", None, 256, 1)}, ValueError, "mask is on CUDA device 1"),
 ])
 def test_bad_score_options_raise_naming_the_argument(options, error, message):
     with pytest.raises(error, match=message):
@@ -278,3 +314,18 @@ def test_no_usable_gpu_is_a_clear_runtime_error(monkeypatch):
         with pytest.raises(RuntimeError, match="no usable CUDA GPU") as caught:
             call()
         assert caught.type is RuntimeError  # not CuPy's CUDARuntimeError traceback
+
+
+@pytest.mark.parametrize("mask_shape,rows", [(None, [0, 0, 0, 0]), ((2, 1, 33, 47), [0, 0, 0, 0]),
+                                             ((2, 2, 33, 47), [0, 0, 1, 1]), ((2, 4, 33, 47), [0, 1, 2, 3])])
+def test_each_head_reads_its_mask_heads_block_lists(mask_shape, rows):
+    """The kernels read block-list row hm = h // mask_head_div of mask_heads rows: 0 for every head without a
+    per-head bool mask (the lists hold one row per batch), the head's own mask head otherwise."""
+    from cuflash import launch
+
+    options = {"window": (8, None)} if mask_shape is None else {"mask": (mask_shape, "bool")}
+    shape, opts = _check_options(**options)
+    q, k, v = (desc(n, s) for n, s in (("q", (2, 33, 4, 64)), ("k", (2, 47, 2, 64)), ("v", (2, 47, 2, 64))))
+    params = launch.make_params(shape, 0.125, q, k, v, None, None, fields=tuple(opts.params(False).items()))[0]
+    assert [h // int(params["mask_head_div"]) for h in range(4)] == rows
+    assert max(rows) < int(params["mask_heads"]) == shape.mask_heads
