@@ -43,7 +43,7 @@ class Case:
     causal: bool
     deterministic: bool
     dlse: bool
-    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi (see _options)
+    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads
 
     def __str__(self) -> str:
         return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
@@ -67,6 +67,13 @@ def cases(quick: bool = False) -> list:
                  True, True, "blocks+softcap+alibi"),
             Case("many short documents, D 256", dtype, 1, 260, 260, 2, 1, 256, 256, False, False, False,
                  "segments"),
+            Case("full bias (staged tiles, dbias stored), D 128, GQA", dtype, 2, 150, 200, 4, 2, 128, 128, True,
+                 False, True, "bias"),
+            Case("broadcast bias (dbias atomics) + softcap, odd Sk (read directly)", dtype, 2, 99, 131, 4, 2, 64, 64,
+                 False, False, False, "biasheads+softcap"),
+            Case("bool mask per kv head + window, deterministic", dtype, 2, 140, 170, 4, 2, 64, 64, False, True,
+                 False, "maskheads+window"),
+            Case("bool mask + full bias, D 256", dtype, 1, 90, 120, 2, 1, 256, 256, True, True, False, "mask+bias"),
         ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
@@ -125,6 +132,12 @@ def _options(case: Case, rng) -> dict:
                                  else np.concatenate([np.zeros((case.B, case.Sq - case.Sk), np.int32), ids], 1)),
                     cupy.asarray(ids))
             opts["segment_ids" if name == "segments" else "block_ids"] = pair
+        elif name in ("bias", "biasheads"):
+            shape = (case.B if name == "bias" else 1, case.H, case.Sq, case.Sk)
+            opts["bias"] = _device_array(rng, shape, _dtype(case.dtype))
+        elif name in ("mask", "maskheads"):
+            shape = (case.B, case.Hkv if name == "maskheads" else 1, case.Sq, case.Sk)
+            opts["mask"] = cupy.asarray(rng.random(shape) < 0.6)
         else:
             raise ValueError(f"unknown option {name!r} in case {case}")
     return opts
@@ -144,11 +157,11 @@ def run_case(case: Case, seed: int) -> int:
     dlse = cupy.asarray(rng.standard_normal((case.B, case.H, case.Sq), dtype=np.float32)) if case.dlse else None
     opts = _options(case, rng)
     out, lse = cuflash.attention_forward(q, k, v, causal=case.causal, **opts)
-    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
-                                            deterministic=case.deterministic, **opts)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
+                                       deterministic=case.deterministic, **opts)
     cupy.cuda.Device().synchronize()
     bad = 0
-    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+    for name, x in zip(("out", "dq", "dk", "dv", "dbias"), (out, *grads)):
         n = _nonfinite(x)
         if n:
             print(f"  {name}: {n} non-finite elements")
@@ -166,9 +179,14 @@ def kernel_names(case_list, arch: int) -> list:
     names = set()
     for c in case_list:
         names_in = set(filter(None, c.options.split("+")))
+        bias = bool(names_in & {"bias", "biasheads"})
+        mod = (kernels.MOD_BIAS_SOFTCAP if "softcap" in names_in else kernels.MOD_BIAS) if bias else int(
+            bool(names_in & {"softcap", "alibi"}))
         shape = kernels.ProblemShape(c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.Dv, c.dtype, c.causal,
-                                     general_mask=bool(names_in & {"window", "segments", "blocks"}),
-                                     score_mod=bool(names_in & {"softcap", "alibi"}))
+                                     general_mask=bool(names_in & {"window", "segments", "blocks", "mask",
+                                                                   "maskheads"}),
+                                     score_mod=mod, mask_heads=c.Hkv if "maskheads" in names_in else 1,
+                                     bool_mask=bool(names_in & {"mask", "maskheads"}))
         for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, c.deterministic)):
             for launch in plan.launches:
                 names.add(launch.variant.name)
