@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="per dtype: the first two cases and the score-option ones")
     parser.add_argument("--list", action="store_true", help="print the cases and kernels, run nothing")
     parser.add_argument("--keep-pool", action="store_true", help="keep CuPy's memory pool (faster, blinder)")
+    parser.add_argument("--cases", metavar="REGEX", help="only the cases whose description matches REGEX")
     args = parser.parse_args(argv)
 
     import cupy
@@ -207,6 +208,10 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - no driver, no device
         have_gpu = False
     chosen = cases(args.quick)
+    if args.cases:
+        import re
+
+        chosen = [c for c in chosen if re.search(args.cases, str(c))]
     arch = int(cupy.cuda.Device().compute_capability) if have_gpu else 90
     try:
         families = kernel_names(chosen, arch)
