@@ -131,10 +131,17 @@ struct GeneralScoreMod {
     }
 
     template <int kMTiles, int kNTiles>
-    // tile: this step's staged bias (BiasTileRef; none = read it directly). One of four loops, picked by a
-    // uniform branch on the terms this head has (explicit template calls: NVRTC 12 refuses generic lambdas).
+    // tile: this step's staged bias (BiasTileRef; none = read it directly). The bias variants run one of
+    // four loops, picked by a uniform branch on the terms this head has (explicit template calls: the GPU
+    // machine's NVRTC refused generic lambdas).
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4], int row0,
                                           int col0, const BiasTileRef& tile = BiasTileRef{}) const {
+        if constexpr (!kBias) {  // softcap / ALiBi: one loop (four copies spilled on the tight tiles, sm_80 D96)
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int mt, int nt, int e) {
+                x = one(x, row, col, aux[mt][nt][e], 0.f);
+            });
+            return;
+        }
         if (has_softcap()) {
             if (slope != 0.f) apply_terms<true, true>(acc, aux, row0, col0, tile);
             else apply_terms<true, false>(acc, aux, row0, col0, tile);

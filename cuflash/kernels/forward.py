@@ -119,6 +119,8 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False
             return 128, 64, 8, 2
         if head_dim_bucket in (64, 96):
             return 64, 64, 4, 2
+        if head_dim_bucket == 128:  # the mma.sync D128 (sm_80; sm_90a takes wgmma): 128 x 32 x 4 warps spilled 48-68
+            return 128, 32, 8, 2
         if head_dim_bucket == 224:
             return 128, 32, 8, 2
         if head_dim_bucket == 256:
