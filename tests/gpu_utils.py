@@ -759,12 +759,14 @@ def one_key_rows(p: Problem, x: Inputs | None = None) -> float:
 
 def cancellation_allowance(p: Problem, x: Inputs, rows: float) -> dict:
     """Absolute allowance for dq and dk from ``rows`` one-hot rows per (batch, head):
-    CANCELLATION_ALLOWANCE * |scale| * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H)."""
+    CANCELLATION_ALLOWANCE * |scale| * rms|dO| * rms|v| * rms|k or q| * sqrt(rows * B * H); and for dbias,
+    which is dS itself (dP - D cancels to rounding noise in those rows): the same without |scale| * rms|k|."""
     if rows == 0:
         return {}
-    common = (CANCELLATION_ALLOWANCE * abs(p.softmax_scale) * rms_row_norm(to_f64(x.dout))
-              * rms_row_norm(to_f64(x.v)) * math.sqrt(rows * p.B * p.H))
-    return {"dq": common * rms_row_norm(to_f64(x.k)), "dk": common * rms_row_norm(to_f64(x.q))}
+    ds_noise = (CANCELLATION_ALLOWANCE * rms_row_norm(to_f64(x.dout)) * rms_row_norm(to_f64(x.v))
+                * math.sqrt(rows * p.B * p.H))
+    common = abs(p.softmax_scale) * ds_noise
+    return {"dq": common * rms_row_norm(to_f64(x.k)), "dk": common * rms_row_norm(to_f64(x.q)), "dbias": ds_noise}
 
 
 def check_backward(report: Report, p: Problem, x: Inputs, r: Result, e: Expected, *,

@@ -65,10 +65,11 @@ def _cdiv(a: int, b: int) -> int:
 
 #: Register spill (bytes, stores + loads, per ptxas) a variant may show because a measurement chose
 #: its tile over a spill-free one; keyed by (arch, head-dim bucket, mask kind, score_mod). Anything above fails
-#: tests/test_build.py. The entry: sm_90a D128 wgmma with a bool mask and softcap / ALiBi, 48 bytes on the GPU
-#: machine's NVRTC (none with ptxas 13.0). (The entry for sm_90a D128 mma.sync 128x64x1 went with that
+#: tests/test_build.py. The entries: sm_90a D128 wgmma with a bool mask and softcap / ALiBi, and sm_80 D64 with a
+#: bool mask, a bias and softcap (64 x 64 x 4 warps), 48 and 40 bytes on the GPU machine's NVRTC (none with
+#: ptxas 13.0). (The entry for sm_90a D128 mma.sync 128x64x1 went with that
 #: variant when D128 moved to the wgmma mainloop.)
-SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64}
+SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
