@@ -28,6 +28,24 @@ __device__ __forceinline__ void for_each_score(float (&acc)[kMTiles][kNTiles][4]
     }
 }
 
+// fn(float& x0, float& x1, int row, int col, int mt, int nt, int half) for every column pair (col, col + 1) of a
+// C-fragment tile: elements 2 * half and 2 * half + 1 of acc[mt][nt] (for operands read two columns at a time).
+template <int kMTiles, int kNTiles, typename Fn>
+__device__ __forceinline__ void for_each_score_pair(float (&acc)[kMTiles][kNTiles][4], int row0, int col0, Fn&& fn) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                fn(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1], row0 + mt * 16 + lane / 4 + half * 8,
+                   col0 + nt * 8 + (lane % 4) * 2, mt, nt, half);
+            }
+        }
+    }
+}
+
 // fn(float& x, int query, int key, int nt, int e) for every element acc[nt][e] of a transposed (S^T) tile.
 template <int kNTiles, typename Fn>
 __device__ __forceinline__ void for_each_score_transposed(float (&acc)[kNTiles][4], int key_row, int query_col, Fn&& fn) {

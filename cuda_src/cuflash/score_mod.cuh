@@ -97,17 +97,12 @@ struct GeneralScoreMod {
 
     // The modified score of raw score `raw` at (row, col), and d mod / d (scale * raw) in `dfactor`.
     // bias_value: the bias at (row, col), read by the caller (in pairs where it can).
+    // Every term decided at run time (the one-score forms, and the tile forms of the softcap / ALiBi variant).
     template <bool kPrecise = false>
     __device__ __forceinline__ float one(float raw, int row, int col, float& dfactor, float bias_value) const {
-        float s = raw * scale;
         dfactor = 1.f;
-        if (has_softcap()) {
-            const float t = kPrecise ? tanhf(s * inv_softcap) : fast_tanh(s * inv_softcap);
-            s = softcap * t;
-            dfactor = fmaf(-t, t, 1.f);
-        }
-        if constexpr (kBias) s += bias_value;
-        return fmaf(-slope, fabsf(static_cast<float>(row + causal_offset - col)), s);
+        return has_softcap() ? one_of<kSoftcap, true, kPrecise>(raw, row, col, dfactor, bias_value)
+                             : one_of<false, true, kPrecise>(raw, row, col, dfactor, bias_value);
     }
 
     // The per-score math with the softcap / ALiBi terms known at compile time: the tile forms pick one of
@@ -153,22 +148,11 @@ struct GeneralScoreMod {
     template <bool kCap, bool kAlibi, int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply_terms(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4],
                                                 int row0, int col0, const BiasTileRef& tile) const {
-        const int lane = threadIdx.x % 32;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = row0 + mt * 16 + lane / 4 + half * 8, col = col0 + nt * 8 + (lane % 4) * 2;
-                    const float2 bv = kBias ? bias.pair_at(row, col, tile) : make_float2(0.f, 0.f);
-                    float& x0 = acc[mt][nt][2 * half];
-                    float& x1 = acc[mt][nt][2 * half + 1];
-                    x0 = one_of<kCap, kAlibi>(x0, row, col, aux[mt][nt][2 * half], bv.x);
-                    x1 = one_of<kCap, kAlibi>(x1, row, col + 1, aux[mt][nt][2 * half + 1], bv.y);
-                }
-            }
-        }
+        for_each_score_pair(acc, row0, col0, [&](float& x0, float& x1, int row, int col, int mt, int nt, int half) {
+            const float2 bv = kBias ? bias.pair_at(row, col, tile) : make_float2(0.f, 0.f);
+            x0 = one_of<kCap, kAlibi>(x0, row, col, aux[mt][nt][2 * half], bv.x);
+            x1 = one_of<kCap, kAlibi>(x1, row, col + 1, aux[mt][nt][2 * half + 1], bv.y);
+        });
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
