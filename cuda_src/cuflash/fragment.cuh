@@ -30,6 +30,8 @@ __device__ __forceinline__ void for_each_score(float (&acc)[kMTiles][kNTiles][4]
 
 // fn(float& x0, float& x1, int row, int col, int mt, int nt, int half) for every column pair (col, col + 1) of a
 // C-fragment tile: elements 2 * half and 2 * half + 1 of acc[mt][nt] (for operands read two columns at a time).
+// for_each_score keeps a loop of its own: written through this one (the same visit order) it changed the SASS
+// of every masked forward, the plain causal one included (ptxas 13.0, 2026-11-23).
 template <int kMTiles, int kNTiles, typename Fn>
 __device__ __forceinline__ void for_each_score_pair(float (&acc)[kMTiles][kNTiles][4], int row0, int col0, Fn&& fn) {
     const int lane = threadIdx.x % 32;

@@ -358,24 +358,25 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
     scratch = [("softmax_d", (b, h, sq))]
     fields = []
-    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
-    if general:  # the query blocks of each key block
-        pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dkdv.config.block_m, dkdv.config.block_n, True,
-                                                        shape.mask_heads)
+
+    def add_lists(kernel: KernelVariant, transposed: bool) -> None:
+        """The general mask's pre-pass for ``kernel``'s tile, before it."""
+        pre, lists, list_fields = block_lists.lists_for(b, sq, sk, kernel.config.block_m, kernel.config.block_n,
+                                                        transposed, shape.mask_heads)
         launches.append(pre)
         scratch.append(lists)
-        fields += list_fields
+        fields.extend(list_fields)
+
+    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
+    if general:  # the query blocks of each key block
+        add_lists(dkdv, True)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
     heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
     if deterministic:
         dq = dq_variant(arch, dtype, bucket, mask, mod)
         if general:  # the key blocks of each query block
-            pre, lists, list_fields = block_lists.lists_for(b, sq, sk, dq.config.block_m, dq.config.block_n, False,
-                                                            shape.mask_heads)
-            launches.append(pre)
-            scratch.append(lists)
-            fields += list_fields
+            add_lists(dq, False)
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
