@@ -68,6 +68,16 @@ def main():
                  per_call_us(lambda: cuflash.attention_forward(*tiny, **opts), sync)))
     rows.append(("cupy  attention_backward(window, segment_ids, softcap)",
                  per_call_us(lambda: cuflash.attention_backward(dout, *tiny, out_o, lse_o, **opts), sync)))
+    # A bias (cached forward; the backward validates each call and makes its dbias) and a bool mask (cached).
+    bias = cupy.random.standard_normal((1, 1, 128, 128), dtype=cupy.float32).astype(bf16)
+    mask = cupy.ones((1, 1, 128, 128), dtype=bool)
+    for name, extra in (("bias", dict(bias=bias)), ("mask", dict(mask=mask))):
+        out_x, lse_x = cuflash.attention_forward(*tiny, **extra)
+        rows.append((f"cupy  attention_forward({name})",
+                     per_call_us(lambda extra=extra: cuflash.attention_forward(*tiny, **extra), sync)))
+        rows.append((f"cupy  attention_backward({name})",
+                     per_call_us(lambda extra=extra, o=out_x, l=lse_x: cuflash.attention_backward(dout, *tiny, o, l, **extra),
+                                 sync)))
 
     try:
         import jax
