@@ -768,6 +768,22 @@ def test_torch_opcheck(cft, torch_core):
                            *cft._op_options({})))
 
 
+def _assert_compiled_matches_eager(step, q, k, v):
+    """``step(q, k, v) -> (loss, out)`` under torch.compile(fullgraph=True): out and q / k / v grads equal eager's."""
+    import torch
+
+    loss, out = step(q, k, v)
+    loss.backward()
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    loss_c, out_c = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss_c.backward()
+    torch.testing.assert_close(out_c, out)
+    for x, g in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, g)
+
+
 def test_torch_compile_fullgraph_matches_eager(cft, torch_core):
     import torch
 
@@ -775,18 +791,7 @@ def test_torch_compile_fullgraph_matches_eager(cft, torch_core):
         out, lse = cft.attention(q, k, v, causal=True, return_lse=True)
         return (out.square().sum() + lse.sum()), out
 
-    q, k, v = _torch_qkv(torch.float32)
-    loss, out = step(q, k, v)
-    loss.backward()
-    eager = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss_c, out_c = compiled(q, k, v)
-    loss_c.backward()
-    torch.testing.assert_close(out_c, out)
-    for x, g in zip((q, k, v), eager):
-        torch.testing.assert_close(x.grad, g)
+    _assert_compiled_matches_eager(step, *_torch_qkv(torch.float32))
 
 
 def _torch_case(case: str) -> dict:
@@ -835,17 +840,7 @@ def test_torch_options_under_compile_and_opcheck(cft, torch_core):
         return out.square().sum() + lse.clamp(min=-1e4).sum(), out
 
     q, k, v = _torch_qkv(torch.float32)
-    loss, out = step(q, k, v)
-    loss.backward()
-    eager = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss_c, out_c = compiled(q, k, v)
-    loss_c.backward()
-    torch.testing.assert_close(out_c, out)
-    for x, g in zip((q, k, v), eager):
-        torch.testing.assert_close(x.grad, g)
+    _assert_compiled_matches_eager(step, q, k, v)
     for each in torch_core.options_of("forward") + torch_core.options_of("backward"):
         _assert_options_equal(each, options)
 
