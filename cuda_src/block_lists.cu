@@ -72,8 +72,8 @@ enum TileClass : int { kSkipTile = 0, kPartialTile = 1, kFullTile = 2 };
 __device__ __forceinline__ int classify(const GeneralMaskOf<true>& m, int r0, int r1, int c0, int c1, bool tail,
                                         const TileIds& ids) {
     const AttnParams& p = m.p;
-    const int d_min = c0 - (r1 - 1) - p.causal_offset;  // smallest j - i - offset in the tile
-    const int d_max = (c1 - 1) - r0 - p.causal_offset;  // largest
+    const int d_min = c0 - (r1 - 1) - m.causal_offset;  // smallest j - i - offset in the tile
+    const int d_max = (c1 - 1) - r0 - m.causal_offset;  // largest
     bool any = d_min <= p.window_right && d_max >= -p.window_left;
     bool all = d_max <= p.window_right && d_min >= -p.window_left;
     if (p.q_segment_ids != nullptr) {
@@ -103,17 +103,25 @@ __device__ __forceinline__ void mask_any_all(const GeneralMaskOf<true>& m, int r
     all = __syncthreads_and(l) != 0;
 }
 
+// (The minimum of one block per SM lets ptxas use the 64 registers it needs: without it, its occupancy
+// heuristic held the transposed lists to 40 and spilled 32 bytes once the lengths became per sequence.)
 template <int kOuter, int kInner, bool kTransposed>
-__global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const AttnParams params) {
+__global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(const AttnParams params) {
     constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
     constexpr int kKRows = kTransposed ? kOuter : kInner;
     const int outer = blockIdx.x, b = blockIdx.z;
-    const GeneralMaskOf<true> m(params, b, blockIdx.y * params.mask_head_div);  // grid y: the mask's list heads
-    const int outer_len = kTransposed ? params.seqlen_k : params.seqlen_q;
-    const int inner_len = kTransposed ? params.seqlen_q : params.seqlen_k;
+    // grid y: the mask's list heads
+    const SeqInfo seq(params, b, blockIdx.y * params.mask_head_div);
+    const GeneralMaskOf<true> m(params, seq);
+    const int outer_len = kTransposed ? m.seqlen_k : m.seqlen_q;  // this sequence's lengths
+    const int inner_len = kTransposed ? m.seqlen_q : m.seqlen_k;
     const int n_inner = ceil_div(inner_len, kInner);
     int* row = const_cast<int*>(kTransposed ? m.q_list(outer) : m.kv_list(outer));
     const int o0 = outer * kOuter, o1 = min(o0 + kOuter, outer_len);
+    if (o0 >= outer_len) {  // past a shorter packed sequence: no kernel reads this row, but keep it defined
+        if (threadIdx.x == 0) row[0] = 0;
+        return;
+    }
     // This batch's ids (null when not given).
     const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + b * params.q_segment_batch_stride;
     const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + b * params.k_segment_batch_stride;
@@ -149,7 +157,7 @@ __global__ void __launch_bounds__(kListThreads) flash_block_lists_kernel(const A
             if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1);
             int r0, r1, c0, c1;
             bounds(i, r0, r1, c0, c1);
-            const bool tail = r0 + kQRows > params.seqlen_q || c0 + kKRows > params.seqlen_k;
+            const bool tail = r0 + kQRows > m.seqlen_q || c0 + kKRows > m.seqlen_k;
             cls = classify(m, r0, r1, c0, c1, tail, tile);
         }
         if (params.mask != nullptr) {

@@ -109,7 +109,9 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
     const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
-    const typename Cfg::Mask mask(params, b, group * heads);  // one head per block under the general mask
+    const SeqInfo seq(params, b, group * heads);
+    if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence (the grid covers the longest)
+    const typename Cfg::Mask mask(params, seq);  // one head per block under the general mask
     const typename Cfg::Blocks blocks(mask, n_block);
 
     float acc_dv[Cfg::kDTiles][4];
@@ -134,13 +136,15 @@ flash_bwd_dq_kernel(const AttnParams params) {
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
-    const typename Cfg::Mask mask(params, b, h);
+    const SeqInfo seq(params, b, h);
+    if (m_block * kBlockM >= seq.seqlen_q) return;  // past a shorter packed sequence
+    const typename Cfg::Mask mask(params, seq);
     const typename Mainloop::Blocks blocks(mask, m_block);
 
     float acc_dq[Cfg::kDTiles][4];
     Mainloop::run(params, b, h, blocks, mask, smem, m_block * kBlockM, acc_dq);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    DqEpilogue<Cfg>::store(params, SeqInfo(params, b, h), acc_dq, m_block * kBlockM, (warp % Cfg::kWarpsM) * 16,
+    DqEpilogue<Cfg>::store(params, seq, acc_dq, m_block * kBlockM, (warp % Cfg::kWarpsM) * 16,
                            lane >> 2, lane & 3, [&](int nt) { return Mainloop::col0(nt, warp / Cfg::kWarpsM); });
 }
 

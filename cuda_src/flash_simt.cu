@@ -288,7 +288,7 @@ struct BwdMainloop {
     const int fixed_block;
 
     __device__ __forceinline__ BwdMainloop(const AttnParams& params_, const SeqInfo& seq_, int fixed_block_)
-        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()), mask(params_, seq_.b, seq_.h),
+        : params(params_), seq(seq_), sm(shared_floats<Smem::kSmemBytes>()), mask(params_, seq_),
           at(this_thread<kKeyRows>()), fixed_block(fixed_block_) {}
 
     __device__ __forceinline__ void run(Acc& acc) const {
@@ -362,7 +362,7 @@ struct BwdMainloop {
     // Waits for the step's cp.async groups: B with the first wait, B2 with the second.
     __device__ __forceinline__ void recompute(const float (&lse)[kQueries], const float (&delta)[kQueries], int row0,
                                               int col0, bool masked) const {
-        const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h);
+        const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h, seq.causal_offset());
         // A modifier of the scaled domain (score_mod.cuh) has applied the scale already.
         const float p_scale = Cfg::ScoreMod::kScaled ? 1.f : params.scale;
         sm80::cp_async_wait<1>();  // the resident tiles and B landed (B2 may be in flight)
@@ -450,9 +450,10 @@ flash_fwd_simt_kernel(const AttnParams params) {
     const Loads<Cfg> loads{params, seq};
     const TilePos<false> at = this_thread<false>();
     const int row0 = m_block * kBlockM;
-    const typename Cfg::Mask mask(params, seq.b, seq.h);
+    if (row0 >= seq.seqlen_q) return;  // past a shorter packed sequence (the grid covers the longest)
+    const typename Cfg::Mask mask(params, seq);
     const typename Cfg::Keys blocks(mask, m_block);
-    const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h);
+    const typename Cfg::ScoreMod score_mod(params, seq.b, seq.h, seq.causal_offset());
     const float scale_log2 = Cfg::ScoreMod::exp_factor(params);
     const int depth_qk = round_up4(params.head_dim);
 
@@ -540,6 +541,7 @@ flash_bwd_dkdv_simt_kernel(const AttnParams params) {
 
     const int n_block = blockIdx.x;
     const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence
     typename Mainloop::Acc acc;  // dK (unscaled), dV
     const Mainloop mainloop(params, seq, n_block);
     mainloop.run(acc);
@@ -590,6 +592,7 @@ flash_bwd_dq_simt_kernel(const AttnParams params) {
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    if (m_block * kBlockM >= seq.seqlen_q) return;  // past a shorter packed sequence
     typename Mainloop::Acc acc;  // dQ (unscaled)
     const Mainloop mainloop(params, seq, m_block);
     mainloop.run(acc);

@@ -87,19 +87,22 @@ def make_params(shape: ProblemShape, scale: float, q, k, v, out, lse, *, dout=No
         "h_per_kv": shape.num_heads // shape.num_heads_k, "dkdv_heads": 1,
         # divisors, never 0; options override them. Without a per-head mask every head uses list row 0.
         "bias_head_div": 1, "mask_heads": 1, "mask_head_div": max(1, shape.num_heads),
-        "causal_offset": shape.seqlen_k - shape.seqlen_q,
         "scale": scale, "scale_log2": scale * _LOG2E,
     }
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
-    for field, prefix in _STRIDED_FIELDS:  # (B, S, H, D)
+    for field, prefix in _STRIDED_FIELDS:  # (B, S, H, D); packed (T, H, D) with the batch stride = the row stride
         t = tensors[field]
         if t is not None:
             values[field] = t.ptr
-            values[f"{prefix}_batch_stride"], values[f"{prefix}_row_stride"], values[f"{prefix}_head_stride"] = t.strides[:3]
-    for field, t in (("lse", lse), ("dlse", dlse)):  # (B, H, S), rows contiguous
+            strides = (t.strides[0], *t.strides[:2]) if shape.packed else t.strides[:3]
+            values[f"{prefix}_batch_stride"], values[f"{prefix}_row_stride"], values[f"{prefix}_head_stride"] = strides
+    for field, t in (("lse", lse), ("dlse", dlse)):  # (B, H, S), rows contiguous; packed (H, T), batch stride 1
         if t is not None:
             values[field] = t.ptr
-            values[f"{field}_batch_stride"], values[f"{field}_head_stride"] = t.strides[:2]
+            strides = (1, t.strides[0]) if shape.packed else t.strides[:2]
+            values[f"{field}_batch_stride"], values[f"{field}_head_stride"] = strides
+    if shape.packed:
+        values["total_q"], values["total_k"] = shape.total_q, shape.total_k
     if scratch:
         values.update(scratch)
     values.update(fields)  # scalar fields the plan sets (e.g. dkdv_heads)
@@ -136,11 +139,14 @@ _SCRATCH_ALIGNMENT = 256
 #: the operands, the fp32 scratch, dlse, then the score options' arrays and the general mask's lists.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
                   "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
-                  "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask")
+                  "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask", "cu_seqlens_q",
+                  "cu_seqlens_k")
 #: How many of them a call without score options patches (the rest stay null).
 PLAIN_POINTERS = 14
-#: How many a cached call with score options patches; a call with a bias or a bool mask packs all of them.
+#: How many a cached call with score options patches; a call with a bias or a bool mask packs BIAS_MASK_POINTERS
+#: (through ``mask``). The packed-sequence offsets after them are never cached (the varlen calls validate every call).
 OPTION_POINTERS = 21
+BIAS_MASK_POINTERS = 25
 #: The scratch buffers a call may carve from one allocation, by pointer field.
 SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "kv_blocks", "q_blocks")
 

@@ -89,7 +89,7 @@ struct DkdvMainloop {
                                                unsigned smem, float (&acc_dk)[kDTiles][4],
                                                float (&acc_dv)[kDTiles][4]) {
         const int tid = threadIdx.x;
-        const int seqlen_q = params.seqlen_q;
+        const int seqlen_q = mask.seqlen_q;  // this sequence's
         const int key0 = n_block * Cfg::kBlockN;
         const int num_m_blocks = blocks.count();
         // The query blocks are visited from step `first` on, wrapping around at the end. The atomic path
@@ -131,7 +131,7 @@ struct DkdvMainloop {
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
             float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
-            const typename Cfg::ScoreMod mod(params, b, step_head);
+            const typename Cfg::ScoreMod mod(params, b, step_head, mask.causal_offset);
             Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
             const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
             const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;

@@ -52,7 +52,7 @@ struct DqMainloopSm80 {
         const int key_col0 = d_split * Cfg::kNPerWarp;          // the warp's keys of S within the key block
         const unsigned s_q = smem + Cfg::kOffQ, s_do = smem + Cfg::kOffDo, s_ds = smem + Cfg::kOffDs;
         const SeqInfo seq(params, b, h);
-        const typename Cfg::ScoreMod mod(params, b, h);
+        const typename Cfg::ScoreMod mod(params, b, h, seq.causal_offset());
 
         // lse and D of the thread's two rows; rows past Sq get P = 0 through lse = +inf.
         float lse2[2], dsum[2];

@@ -145,7 +145,7 @@ __device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const 
 template <typename Elem, int kHeadDim, int kRows, int kThreads>
 __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const SeqInfo& first, int row0) {
     constexpr int kChunks = kHeadDim / 8;
-    const long long head_size = static_cast<long long>(first.seqlen_k) * kHeadDim;  // floats per partial
+    const long long head_size = SeqInfo::k_scratch_head_rows(params) * kHeadDim;  // floats per partial
     const int parts = params.h_per_kv / params.dkdv_heads, slots = params.num_heads / params.dkdv_heads;
     const int slot0 = first.h_kv * parts;
     for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {

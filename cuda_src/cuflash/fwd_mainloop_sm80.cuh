@@ -71,13 +71,15 @@ struct FwdLoads {
     const Elem* v_src;
     unsigned smem_k, smem_v;
     int b, h, row_begin;  // for the bias tiles
+    int seqlen_k;         // this sequence's keys
 
     static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes + kSlots * Cfg::kBiasSlotBytes;
 
     __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks_,
                                         unsigned smem_q, int row_begin_)
         : params(p), blocks(blocks_), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
-          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), b(seq.b), h(seq.h), row_begin(row_begin_) {}
+          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), b(seq.b), h(seq.h), row_begin(row_begin_),
+          seqlen_k(seq.seqlen_k) {}
 
     // Slot j % kSlots of the staged bias tiles (after the V slots).
     __device__ __forceinline__ unsigned bias_slot(int j) const {
@@ -112,7 +114,7 @@ struct FwdLoads {
                                               const void* base) const {
         if (j < blocks.count()) {
             load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
-                                                              blocks.block(j) * Cfg::kBlockN, params.seqlen_k, cols,
+                                                              blocks.block(j) * Cfg::kBlockN, seqlen_k, cols,
                                                               base);
         }
         sm80::cp_async_commit();
@@ -132,7 +134,7 @@ struct FwdWork {
 
     __device__ __forceinline__ FwdWork(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
                                        const typename Cfg::Mask& m, unsigned smem, int row_begin_, int warp_row0_)
-        : loads(p, seq, b, smem, row_begin_), blocks(b), mask(m), mod(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
+        : loads(p, seq, b, smem, row_begin_), blocks(b), mask(m), mod(p, seq.b, seq.h, seq.causal_offset()), smem_q(smem), row_begin(row_begin_),
           warp_row0(warp_row0_) {}
 
     // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where

@@ -20,6 +20,7 @@
 #include "cuflash/numeric.cuh"
 #include "cuflash/fragment.cuh"
 #include "cuflash/params.cuh"
+#include "cuflash/seqlen.cuh"
 
 namespace cuflash {
 
@@ -57,8 +58,8 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
     int seqlen_k;
     int causal_offset;  // seqlen_k - seqlen_q (bottom-right aligned causal)
 
-    __device__ __forceinline__ AttnMask(const AttnParams& p, int /*b*/, int /*h*/)
-        : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal_offset(p.causal_offset) {}
+    __device__ __forceinline__ AttnMask(const AttnParams&, const SeqInfo& seq)
+        : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), causal_offset(seq.causal_offset()) {}
 
     __device__ __forceinline__ bool visible(int row, int col) const {
         if (col >= seqlen_k) return false;
@@ -118,9 +119,9 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
     int b, hm, seqlen_q, seqlen_k, causal_offset, window_left, window_right;
     bool has_seg, has_blk, has_bool;
 
-    __device__ __forceinline__ GeneralMaskOf(const AttnParams& params, int b_, int h)
-        : p(params), b(b_), hm(h / params.mask_head_div), seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k),
-          causal_offset(params.causal_offset), window_left(params.window_left), window_right(params.window_right),
+    __device__ __forceinline__ GeneralMaskOf(const AttnParams& params, const SeqInfo& seq)
+        : p(params), b(seq.b), hm(seq.h / params.mask_head_div), seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k),
+          causal_offset(seq.causal_offset()), window_left(params.window_left), window_right(params.window_right),
           has_seg(params.q_segment_ids != nullptr), has_blk(params.q_block_ids != nullptr),
           has_bool(kBool && params.mask != nullptr) {}
 

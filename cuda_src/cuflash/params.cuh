@@ -10,6 +10,10 @@
 //   lse, dlse (B, H, Sq) fp32 with rows contiguous; softmax_d (B, H, Sq) fp32 contiguous.
 //   Scratch buffers are contiguous and padded to the variant's head-dim bucket kHeadDim:
 //   dq_accum (B, H, Sq, kHeadDim), dk_accum (B, H, Sk, kHeadDim), dv_accum (B, H, Sk, kHeadDim).
+//   Packed sequences (cu_seqlens_q / cu_seqlens_k set): q / o / dout / dq (Tq, H, D) and k / v / dk / dv
+//   (Tk, Hkv, D), whose batch strides the host sets to their row strides (SeqInfo's batch index is then the
+//   sequence's first packed row); lse / dlse (H, Tq) with batch stride 1; the scratch drops the batch dim:
+//   softmax_d (H, Tq), dq_accum (H, Tq, kHeadDim), dk_accum / dv_accum (H or slots, Tk, kHeadDim).
 #pragma once
 
 namespace cuflash {
@@ -51,6 +55,11 @@ struct AttnParams {
     float* dbias_accum;
     // Boolean mask (B|1, H|Hkv|1, Sq|1, Sk|1), one byte per element, nonzero = attend (the general mask).
     const unsigned char* mask;
+    // Variable-length (packed) sequences, or null (the batched layout): int32 (batch + 1,) row offsets into
+    // the packed q-side (total_q rows) and k-side (total_k rows) tensors; seqlen_q / seqlen_k are then the
+    // longest lengths (the grid's). cuflash/seqlen.cuh turns them into each sequence's rows.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
 
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -79,7 +88,9 @@ struct AttnParams {
     int head_dim_v;     // runtime Dv  (<= the variant's kHeadDim bucket)
     int h_per_kv;       // num_heads / num_heads_k
     int dkdv_heads;     // query heads one dK/dV CTA accumulates (a divisor of h_per_kv; the plan picks it)
-    int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
+    int total_q, total_k;  // packed rows of the q-side / k-side tensors (with cu_seqlens; else unused)
+    // (causal_offset below: a sequence's seqlen_k - seqlen_q, SeqInfo::causal_offset; query i sees key j
+    // under causal iff j <= i + causal_offset)
     int window_left;    // general mask: query i sees key j only if -window_left <= j - i - causal_offset
     int window_right;   //   <= window_right (causal folds in as window_right <= 0; 1 << 30 = unbounded)
     int kv_blocks_rows, kv_blocks_stride;  // query blocks per batch in kv_blocks, ints per list row

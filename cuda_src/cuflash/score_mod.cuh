@@ -33,7 +33,7 @@ __host__ __device__ constexpr bool has_bias(int kind) { return kind == kBiasScor
 
 struct IdentityScoreMod {
     static constexpr bool kScaled = false;
-    __device__ __forceinline__ IdentityScoreMod(const AttnParams&, int /*b*/, int /*h*/) {}
+    __device__ __forceinline__ IdentityScoreMod(const AttnParams&, int /*b*/, int /*h*/, int /*causal_offset*/) {}
     static __device__ __forceinline__ float exp_factor(const AttnParams& p) { return p.scale_log2; }
 
     template <int kMTiles, int kNTiles>
@@ -88,10 +88,11 @@ struct GeneralScoreMod {
     int b, h;
     BiasView<Elem, kBias> bias;
 
-    __device__ __forceinline__ GeneralScoreMod(const AttnParams& p, int b_, int h_)
+    // causal_offset_: the sequence's seqlen_k - seqlen_q (SeqInfo::causal_offset, or the mask's copy).
+    __device__ __forceinline__ GeneralScoreMod(const AttnParams& p, int b_, int h_, int causal_offset_)
         : scale(p.scale), softcap(p.softcap), inv_softcap(p.softcap > 0.f ? 1.f / p.softcap : 0.f),
           slope(p.alibi_slopes == nullptr ? 0.f : __ldg(p.alibi_slopes + b_ * p.alibi_batch_stride + h_)),
-          causal_offset(p.causal_offset), b(b_), h(h_), bias(p, b_, h_) {}
+          causal_offset(causal_offset_), b(b_), h(h_), bias(p, b_, h_) {}
     static __device__ __forceinline__ float exp_factor(const AttnParams&) { return kLog2e; }
     __device__ __forceinline__ bool has_softcap() const { return kSoftcap && softcap > 0.f; }
 

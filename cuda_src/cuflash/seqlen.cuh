@@ -1,15 +1,22 @@
 // Sequence info: where one (batch, head)'s rows live, and how many there are. Every kernel forms its
-// q / k / v / o / dout / dq / dk / dv / lse / dlse / softmax_d / fp32-scratch pointers through this struct
-// and nowhere else, so varlen (cu_seqlens: a per-batch row offset and length) and a KV cache (a per-batch
-// key length and page table) change this file, not the kernels.
+// q / k / v / o / dout / dq / dk / dv / lse / dlse / softmax_d / fp32-scratch pointers and takes its
+// sequence lengths through this struct and nowhere else, so the batched and the packed (varlen) layouts
+// differ only here.
 //
-// It holds only the indices and lengths (a few registers); the offsets are formed where a pointer is
+// It holds only indices and lengths (a few registers); the offsets are formed where a pointer is
 // needed. Kernels that keep registers scarce build it from opaque copies of (b, h) inside their loops so
 // nothing derived from it is hoisted and kept live (cuflash/dkdv_mainloop.cuh).
 //
-// Batched layout today (cuda_src/cuflash/params.cuh): row r of (b, h) of q is
+// Batched layout (cuda_src/cuflash/params.cuh): row r of (b, h) of q is
 //   q + b * q_batch_stride + h * q_head_stride + r * q_row_stride,
 // k / v / dk / dv use the kv head h_kv = h / h_per_kv (GQA / MQA: never materialized per query head).
+// Packed layout (params.cu_seqlens_q / _k set): sequence b is rows [cu[b], cu[b+1]) of the packed tensors.
+// The host sets each tensor's batch stride to its row stride, so the same formula holds with the batch
+// index bq = cu_seqlens_q[b] (bk = cu_seqlens_k[b] on the key side) in place of b; the lengths are read per
+// sequence, and the grid covers the longest (params.seqlen_q / seqlen_k), so a kernel's blocks past its own
+// sequence's length return at once. The offsets are clamped into [0, total] and each length to the grid's,
+// so offsets that break the contract (checked on the host only when it has them) never address memory
+// outside the tensors. Bias, bool masks and id arrays index by b: the host refuses them with packed sequences.
 #pragma once
 
 #include "cuflash/params.cuh"
@@ -17,87 +24,123 @@
 namespace cuflash {
 
 struct SeqInfo {
-    int b;         // batch index
+    int b;         // batch (sequence) index
     int h;         // query head
     int h_kv;      // kv head of this query head
-    int seqlen_q;  // rows of q / o / dout / dq / lse of this batch
-    int seqlen_k;  // rows of k / v / dk / dv of this batch
+    int bq, bk;    // the batch index of the q-side / k-side tensors: b, or the sequence's first packed row
+    int seqlen_q;  // rows of q / o / dout / dq / lse of this sequence
+    int seqlen_k;  // rows of k / v / dk / dv of this sequence
 
-    __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_)
-        : b(b_), h(h_), h_kv(h_ / p.h_per_kv), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
-
-    // (b, h) as one index of the contiguous (B, H, ...) scratch tensors.
-    __device__ __forceinline__ long long bh(const AttnParams& p) const {
-        return static_cast<long long>(b) * p.num_heads + h;
+    __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_) : b(b_), h(h_), h_kv(h_ / p.h_per_kv) {
+        if (p.cu_seqlens_q == nullptr) {
+            bq = bk = b_;
+            seqlen_q = p.seqlen_q;
+            seqlen_k = p.seqlen_k;
+        } else {
+            const int2 q_span = span(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
+            const int2 k_span = span(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
+            bq = q_span.x;
+            seqlen_q = q_span.y;
+            bk = k_span.x;
+            seqlen_k = k_span.y;
+        }
     }
+
+    // Bottom-right alignment: query i and key j are on the diagonal when j = i + causal_offset.
+    __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }
+    // Whether the layout is packed (each sequence its own lengths).
+    static __device__ __forceinline__ bool packed(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
 
     // Row `row` of this (batch, head) of each bshd tensor (query-side rows for q / o / dout / dq, key-side
     // rows for k / v / dk / dv).
     template <typename Elem>
     __device__ __forceinline__ const Elem* q(const AttnParams& p, int row = 0) const {
-        return static_cast<const Elem*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + row * p.q_row_stride;
+        return static_cast<const Elem*>(p.q) + bq * p.q_batch_stride + h * p.q_head_stride + row * p.q_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ const Elem* k(const AttnParams& p, int row = 0) const {
-        return static_cast<const Elem*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + row * p.k_row_stride;
+        return static_cast<const Elem*>(p.k) + bk * p.k_batch_stride + h_kv * p.k_head_stride + row * p.k_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ const Elem* v(const AttnParams& p, int row = 0) const {
-        return static_cast<const Elem*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + row * p.v_row_stride;
+        return static_cast<const Elem*>(p.v) + bk * p.v_batch_stride + h_kv * p.v_head_stride + row * p.v_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ Elem* o(const AttnParams& p, int row = 0) const {
-        return static_cast<Elem*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + row * p.o_row_stride;
+        return static_cast<Elem*>(p.o) + bq * p.o_batch_stride + h * p.o_head_stride + row * p.o_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ const Elem* dout(const AttnParams& p, int row = 0) const {
-        return static_cast<const Elem*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+        return static_cast<const Elem*>(p.dout) + bq * p.do_batch_stride + h * p.do_head_stride +
                row * p.do_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ Elem* dq(const AttnParams& p, int row = 0) const {
-        return static_cast<Elem*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + row * p.dq_row_stride;
+        return static_cast<Elem*>(p.dq) + bq * p.dq_batch_stride + h * p.dq_head_stride + row * p.dq_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ Elem* dk(const AttnParams& p, int row = 0) const {
-        return static_cast<Elem*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + row * p.dk_row_stride;
+        return static_cast<Elem*>(p.dk) + bk * p.dk_batch_stride + h_kv * p.dk_head_stride + row * p.dk_row_stride;
     }
     template <typename Elem>
     __device__ __forceinline__ Elem* dv(const AttnParams& p, int row = 0) const {
-        return static_cast<Elem*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + row * p.dv_row_stride;
+        return static_cast<Elem*>(p.dv) + bk * p.dv_batch_stride + h_kv * p.dv_head_stride + row * p.dv_row_stride;
     }
 
     // lse of query row `row` (null when the caller asked for no lse), and the incoming dlse (may be null).
     __device__ __forceinline__ float* lse(const AttnParams& p, int row = 0) const {
-        return p.lse == nullptr ? nullptr : p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + row;
+        return p.lse == nullptr ? nullptr : p.lse + bq * p.lse_batch_stride + h * p.lse_head_stride + row;
     }
     __device__ __forceinline__ const float* lse_in(const AttnParams& p, int row = 0) const {
-        return p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + row;
+        return p.lse + bq * p.lse_batch_stride + h * p.lse_head_stride + row;
     }
     __device__ __forceinline__ const float* dlse(const AttnParams& p, int row = 0) const {
-        return p.dlse + b * p.dlse_batch_stride + h * p.dlse_head_stride + row;
+        return p.dlse + bq * p.dlse_batch_stride + h * p.dlse_head_stride + row;
     }
 
-    // Contiguous fp32 scratch, (B, H, S, width) with the width the caller's (kHeadDim bucket, or 1).
+    // Contiguous fp32 scratch with a row per query (key) and `width` floats per row, for head (or partial
+    // slot) `head` of `heads`: (B, heads, S, width) batched, (heads, T, width) packed.
+    __device__ __forceinline__ long long q_scratch_row(const AttnParams& p, int head, int heads, int row) const {
+        return packed(p) ? static_cast<long long>(head) * p.total_q + bq + row
+                         : (static_cast<long long>(b) * heads + head) * p.seqlen_q + row;
+    }
+    __device__ __forceinline__ long long k_scratch_row(const AttnParams& p, int head, int heads, int row) const {
+        return packed(p) ? static_cast<long long>(head) * p.total_k + bk + row
+                         : (static_cast<long long>(b) * heads + head) * p.seqlen_k + row;
+    }
+    // Rows between consecutive heads (slots) of a k-side scratch tensor.
+    static __device__ __forceinline__ long long k_scratch_head_rows(const AttnParams& p) {
+        return packed(p) ? p.total_k : p.seqlen_k;
+    }
+
     __device__ __forceinline__ float* softmax_d(const AttnParams& p, int row = 0) const {
-        return p.softmax_d + bh(p) * seqlen_q + row;
+        return p.softmax_d + q_scratch_row(p, h, p.num_heads, row);
     }
     __device__ __forceinline__ float* dq_accum(const AttnParams& p, int row, int width) const {
-        return p.dq_accum + (bh(p) * seqlen_q + row) * width;
+        return p.dq_accum + q_scratch_row(p, h, p.num_heads, row) * width;
     }
     __device__ __forceinline__ float* dk_accum(const AttnParams& p, int width) const {
-        return p.dk_accum + bh(p) * seqlen_k * width;
+        return p.dk_accum + k_scratch_row(p, h, p.num_heads, 0) * width;
     }
     __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width) const {
-        return p.dv_accum + bh(p) * seqlen_k * width;
+        return p.dv_accum + k_scratch_row(p, h, p.num_heads, 0) * width;
     }
-    // Partial `slot` of `slots` per batch, (B, slots, Sk, width): the tensor-core dK/dV kernel writes one
-    // per dkdv_heads query heads.
+    // Partial `slot` of `slots` per sequence: the tensor-core dK/dV kernel writes one per dkdv_heads query
+    // heads.
     __device__ __forceinline__ float* dk_accum(const AttnParams& p, int width, int slot, int slots) const {
-        return p.dk_accum + (static_cast<long long>(b) * slots + slot) * seqlen_k * width;
+        return p.dk_accum + k_scratch_row(p, slot, slots, 0) * width;
     }
     __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width, int slot, int slots) const {
-        return p.dv_accum + (static_cast<long long>(b) * slots + slot) * seqlen_k * width;
+        return p.dv_accum + k_scratch_row(p, slot, slots, 0) * width;
+    }
+
+  private:
+    // Sequence b's (first packed row, length) from a cu_seqlens array, clamped into [0, total] and to the
+    // grid's longest length.
+    static __device__ __forceinline__ int2 span(const int* cu, int b, int total, int longest) {
+        const int s = min(max(__ldg(cu + b), 0), total);
+        const int e = min(max(__ldg(cu + b + 1), s), total);
+        return make_int2(s, min(e - s, longest));
     }
 };
 

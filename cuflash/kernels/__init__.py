@@ -6,6 +6,7 @@ Each kernel family has one module here, next to its source in ``cuda_src/``:
 - ``backward``: tensor-core backward (fp16 / bf16), ``flash_bwd.cu``
 - ``simt``: true-fp32 forward and backward, ``flash_simt.cu``
 - ``block_lists``: the general mask's pre-pass (per-block visit lists), ``block_lists.cu``
+- ``varlen_tails``: packed calls' last launch (the rows no sequence covers), ``varlen_tails.cu``
 
 A family module exposes ``plan_forward(shape, arch)``, ``plan_backward(shape, arch, deterministic)``
 (where it has one) and ``all_variants(arch)``; :func:`plan_forward` / :func:`plan_backward` below pick
@@ -71,6 +72,21 @@ class ProblemShape:
     mask_heads: int = 1
     #: a bool mask given (the general mask's MASK_GENERAL_BOOL variants)
     bool_mask: bool = False
+    #: packed variable-length sequences (cu_seqlens): ``batch`` sequences, ``seqlen_q`` / ``seqlen_k`` the
+    #: longest lengths (the grid's), ``total_q`` / ``total_k`` the packed rows. The kernels are the batched
+    #: ones: the layout is a run-time property of the parameter block (cuda_src/cuflash/seqlen.cuh).
+    packed: bool = False
+    total_q: int = 0
+    total_k: int = 0
+
+    def q_scratch(self, heads: int, *width: int) -> tuple:
+        """Shape of an fp32 scratch with a row per query for ``heads`` heads: (B, heads, Sq, ...) batched,
+        (heads, Tq, ...) packed (SeqInfo::q_scratch_row)."""
+        return (heads, self.total_q, *width) if self.packed else (self.batch, heads, self.seqlen_q, *width)
+
+    def k_scratch(self, heads: int, *width: int) -> tuple:
+        """The same with a row per key (SeqInfo::k_scratch_row)."""
+        return (heads, self.total_k, *width) if self.packed else (self.batch, heads, self.seqlen_k, *width)
 
     @property
     def head_dim_bucket(self) -> int:
@@ -144,24 +160,34 @@ def _family(shape: ProblemShape):
     return forward, backward
 
 
+def _with_tails(plan: Plan, shape: ProblemShape, backward: bool) -> Plan:
+    """A packed call's plan ends with the launch that defines the rows no sequence covers."""
+    if not shape.packed:
+        return plan
+    from . import varlen_tails
+
+    return Plan(launches=(*plan.launches, varlen_tails.launch(shape.dtype, backward)), scratch=plan.scratch,
+                fields=plan.fields)
+
+
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
     family = _family(shape)
     module = family if not isinstance(family, tuple) else family[0]
-    return module.plan_forward(shape, arch)
+    return _with_tails(module.plan_forward(shape, arch), shape, False)
 
 
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = DEFAULT_SMS) -> Plan:
     family = _family(shape)
     module = family if not isinstance(family, tuple) else family[1]
-    return module.plan_backward(shape, arch, deterministic, num_sms=num_sms)
+    return _with_tails(module.plan_backward(shape, arch, deterministic, num_sms=num_sms), shape, True)
 
 
 def all_variants(arch: int) -> list:
     """Every kernel variant the package can launch on ``arch``, without duplicates."""
-    from . import backward, block_lists, forward, simt
+    from . import backward, block_lists, forward, simt, varlen_tails
 
     seen, out = set(), []
-    for module in (forward, backward, simt, block_lists):
+    for module in (forward, backward, simt, block_lists, varlen_tails):
         for variant in module.all_variants(arch):
             if variant not in seen:
                 seen.add(variant)

@@ -356,7 +356,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     general = is_general(mask)
 
     launches = [Launch(preprocess_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))]
-    scratch = [("softmax_d", (b, h, sq))]
+    scratch = [("softmax_d", shape.q_scratch(h))]
     fields = []
 
     def add_lists(kernel: KernelVariant, transposed: bool) -> None:
@@ -380,11 +380,11 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
-        scratch.append(("dq_accum", (b, h, sq, bucket)))
+        scratch.append(("dq_accum", shape.q_scratch(h, bucket)))
     if heads != h // hk:  # partials of each `heads` query heads, summed per group in a fixed order
         launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, REDUCE_BLOCK_ROWS), hk, b)))
-        scratch.append(("dk_accum", (b, h // heads, sk, bucket)))
-        scratch.append(("dv_accum", (b, h // heads, sk, bucket)))
+        scratch.append(("dk_accum", shape.k_scratch(h // heads, bucket)))
+        scratch.append(("dv_accum", shape.k_scratch(h // heads, bucket)))
     return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(("dkdv_heads", heads), *fields))
 
 

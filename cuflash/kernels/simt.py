@@ -179,7 +179,8 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     """Pre-pass -> dK/dV (-> GQA reduce) -> dQ. Always deterministic, whatever ``deterministic`` says.
 
     Scratch: ``softmax_d`` (B, H, Sq); with GQA/MQA (H != Hkv) also ``dk_accum`` / ``dv_accum``
-    (B, H, Sk, kHeadDim), per-query-head partials (dk pre-scaled) that the reduce kernel sums.
+    (B, H, Sk, kHeadDim), per-query-head partials (dk pre-scaled) that the reduce kernel sums (packed
+    sequences: no batch dim, a row per packed token; ProblemShape.q_scratch / k_scratch).
     """
     del deterministic, num_sms  # no atomics anywhere: every reduction has a fixed order; one head per CTA
     _check(shape, arch)
@@ -188,7 +189,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     dkdv = dkdv_variant(bucket, shape.mask_kind, shape.score_mod)
     dq = dq_variant(bucket, shape.mask_kind, shape.score_mod)
     launches = [Launch(preprocess_variant(bucket), (_cdiv(sq, PREP_ROWS), h, b))]
-    scratch = [("softmax_d", (b, h, sq))]
+    scratch = [("softmax_d", shape.q_scratch(h))]
     fields = []
     general = is_general(shape.mask_kind)
     if general:  # the query blocks of each key block (dK/dV), the key blocks of each query block (dQ)
@@ -201,7 +202,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     launches.append(Launch(dkdv, (_cdiv(sk, dkdv.config.block_n), h, b)))
     if h != h_kv:
         launches.append(Launch(reduce_variant(bucket), (_cdiv(sk, REDUCE_ROWS), h_kv, b)))
-        scratch += [("dk_accum", (b, h, sk, bucket)), ("dv_accum", (b, h, sk, bucket))]
+        scratch += [("dk_accum", shape.k_scratch(h, bucket)), ("dv_accum", shape.k_scratch(h, bucket))]
     launches.append(Launch(dq, (_cdiv(sq, dq.config.block_m), h, b)))
     return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=tuple(fields))
 
