@@ -7,6 +7,7 @@ GPU call compiles (or loads from the disk cache) the kernels it launches.
     out = cuflash.attention(q, k, v, causal=True)
     out, lse = cuflash.attention_forward(q, k, v)
     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse)
+    out = cuflash.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k)   # packed sequences
 
 Framework adapters: ``cuflash.interop.jax`` and ``cuflash.interop.torch``. The float64 oracle:
 ``cuflash.reference``.
@@ -19,8 +20,13 @@ from .api import (
     attention_with_kvcache,
     backward_workspace,
     prepare,
+)
+from .varlen import (
     varlen_attention,
     varlen_attention_backward,
+    varlen_attention_forward,
+    varlen_backward_workspace,
+    varlen_prepare,
 )
 
 __version__ = "0.1.0"
@@ -32,7 +38,10 @@ __all__ = [
     "backward_workspace",
     "prepare",
     "varlen_attention",
+    "varlen_attention_forward",
     "varlen_attention_backward",
+    "varlen_backward_workspace",
+    "varlen_prepare",
     "attention_with_kvcache",
     "reference",
 ]

@@ -38,18 +38,25 @@ def _enter_device(stack: contextlib.ExitStack, device_id: int, stream, given_str
     return stream, False
 
 
-def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, options, arrays=()):
+def _enter_call(stack: contextlib.ExitStack, q, k, v, *, causal, scale, stream, options, arrays=(), packed=None):
     """The start every entry point shares: refuse planned options and non-GPU arrays (before touching
     CUDA), make the stream current, describe and validate q/k/v and the score options, switch to their
-    device. Returns ``(qd, kd, vd, shape, scale, opts, stream, switched)``."""
+    device. ``packed``: a :class:`cuflash.varlen.PackedSequences` for the varlen entry points (packed
+    q/k/v and their offsets), None for the batched layout. Returns ``(qd, kd, vd, shape, scale, opts,
+    stream, switched)``."""
     validation.reject_planned(options)
+    if packed is not None:
+        packed.reject_unsupported(options)
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(arrays):
         require_cuda(x, name)
     launch.current_device()  # a clear error where there is no usable GPU
     given_stream, stream = stream, resolve_stream(stream)
     stack.enter_context(stream)
     qd, kd, vd = describe(q, "q"), describe(k, "k"), describe(v, "v")
-    shape = validation.check_qkv(qd, kd, vd, causal=causal)
+    if packed is None:
+        shape = validation.check_qkv(qd, kd, vd, causal=causal)
+    else:
+        shape = packed.check(qd, kd, vd, causal=causal)
     scale = validation.check_scale(scale, shape.head_dim)
     shape, opts = validation.check_score_options(shape, options, describe, qd.device)
     stream, switched = _enter_device(stack, qd.device, stream, given_stream)
@@ -213,12 +220,14 @@ def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option
     return out, lse
 
 
-def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
-    """The validating forward; stores a CallPlan under ``key`` (when not None) for the next call."""
+def _forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=None):
+    """The validating forward; stores a CallPlan under ``key`` (when not None) for the next call.
+    ``packed``: see :func:`_enter_call`."""
     with contextlib.ExitStack() as stack:
         qd, kd, vd, shape, scale, opts, stream, switched = _enter_call(
-            stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options)
-        no_keys = shape.seqlen_k == 0
+            stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options, packed=packed)
+        # No key anywhere (or, packed, no query row in any sequence): every row is out 0, lse -inf.
+        no_keys = shape.seqlen_k == 0 or (shape.packed and not _has_work(shape))
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, qd.device,
                         fill=0 if no_keys else None)
         lse_d = _buffer(lse, "lse", validation.lse_shape(shape), "float32", qd.device, rows_only=True,
@@ -230,10 +239,11 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key):
             # the launches are enqueued (CuPy's pool is stream-ordered).
             scratch, owners = _scratch(forward_plan, None, qd.device)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, scratch=scratch,
-                                        fields=(*forward_plan.fields, *opts.params(shape.causal).items()))
+                                        fields=(*forward_plan.fields, *opts.params(shape.causal).items(),
+                                                *(packed.fields if packed is not None else ())))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr)
             if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
-                count = (len(launch.POINTER_FIELDS) if opts.bias is not None or opts.mask is not None
+                count = (launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None
                          else launch.OPTION_POINTERS)
                 pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
                     int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
@@ -332,12 +342,13 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
-              options, key, dbias=None):
-    """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call."""
+              options, key, dbias=None, packed=None):
+    """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call.
+    ``packed``: see :func:`_enter_call`."""
     with contextlib.ExitStack() as stack:
         qd, kd, vd, shape, scale, opts, stream, switched = _enter_call(
             stack, q, k, v, causal=causal, scale=scale, stream=stream, options=options,
-            arrays=(("dout", dout), ("out", out), ("lse", lse)))
+            arrays=(("dout", dout), ("out", out), ("lse", lse)), packed=packed)
         dev, dtype = qd.device, shape.dtype
         o_shape, l_shape = validation.out_shape(shape), validation.lse_shape(shape)
         out_d, dout_d = describe(out, "out"), describe(dout, "dout")
@@ -364,13 +375,14 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             scratch, owners = _scratch(plan, workspace, dev)
             params = launch.make_params(shape, scale, qd, kd, vd, out_d, lse_d, dout=dout_d, dq=dq_d,
                                         dk=dk_d, dv=dv_d, dlse=dlse_d, scratch=scratch,
-                                        fields=(*plan.fields, *opts.params(shape.causal).items(), *bias_fields))
+                                        fields=(*plan.fields, *opts.params(shape.causal).items(), *bias_fields,
+                                                *(packed.fields if packed is not None else ())))
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
                         *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:4]), 0 if dlse_d is None else dlse_d.ptr)
             if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
-                count = (len(launch.POINTER_FIELDS) if opts.bias is not None or opts.mask is not None
+                count = (launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None
                          else launch.OPTION_POINTERS)
                 pointers += tuple(int(params[0][field])
                                   for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
@@ -503,10 +515,14 @@ def backward_workspace(q, k, v, *, causal=False, deterministic=False, scale=None
 def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=None, **options) -> None:
     """Compile and load every kernel a call with these shapes launches (e.g. before a CUDA-graph
     capture, where compiling is not allowed). ``q``/``k``/``v`` need only ``.shape`` and ``.dtype``."""
+    validation.reject_planned(options)
+    load_kernels(_shape_from_meta(q, k, v, causal, options), backward, deterministic)
+
+
+def load_kernels(shape: ProblemShape, backward: bool, deterministic: bool) -> None:
+    """Compile and load every kernel of the forward (and backward) plan of ``shape`` on the current device."""
     from . import build
 
-    validation.reject_planned(options)
-    shape = _shape_from_meta(q, k, v, causal, options)
     device = launch.current_device()
     plans = [launch.forward_plan(shape, device)]
     if backward:
@@ -515,17 +531,6 @@ def prepare(q, k, v, *, causal=False, deterministic=False, backward=True, scale=
     for plan in plans:
         for item in plan.launches:
             build.get_kernel(item.variant, device, cc)
-
-
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
-    """Packed variable-length attention (docs/api.md). Not implemented in this version yet."""
-    raise NotImplementedError("varlen_attention is planned but not implemented in this version of cuflash; "
-                              "cuflash.reference.varlen_attention_forward is the float64 reference")
-
-
-def varlen_attention_backward(*args, **options):
-    """Backward of :func:`varlen_attention`. Not implemented in this version yet."""
-    raise NotImplementedError("varlen_attention_backward is planned but not implemented in this version of cuflash")
 
 
 def attention_with_kvcache(q, k_cache, v_cache, **options):

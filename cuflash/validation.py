@@ -324,8 +324,12 @@ def check_buffer(t: TensorDesc, shape: tuple, dtype: str, device: int, *, rows_c
 
 
 def out_shape(shape: ProblemShape) -> tuple:
+    if shape.packed:
+        return (shape.total_q, shape.num_heads, shape.head_dim_v)
     return (shape.batch, shape.seqlen_q, shape.num_heads, shape.head_dim_v)
 
 
 def lse_shape(shape: ProblemShape) -> tuple:
+    if shape.packed:
+        return (shape.num_heads, shape.total_q)
     return (shape.batch, shape.num_heads, shape.seqlen_q)

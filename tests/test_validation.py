@@ -246,9 +246,8 @@ def test_bad_stream_is_refused_naming_the_argument():
 
 
 def test_unimplemented_entry_points_say_so():
-    for fn, args in ((cuflash.varlen_attention, (None,) * 7), (cuflash.attention_with_kvcache, (None,) * 3)):
-        with pytest.raises(NotImplementedError, match="not implemented"):
-            fn(*args)
+    with pytest.raises(NotImplementedError, match="not implemented"):
+        cuflash.attention_with_kvcache(None, None, None)
 
 
 def test_workspace_shapes_come_from_metadata_only():

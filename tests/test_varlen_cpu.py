@@ -1,0 +1,135 @@
+"""Packed (varlen) calls on the CPU: the offsets' checks, the refused options, and what a packed call
+launches (fake_gpu: made-up addresses, a recording cuLaunchKernel).
+
+The parameter block of a packed call must address the packed rows the way cuda_src/cuflash/seqlen.cuh
+reads them: each tensor's batch stride equal to its row stride, lse / dlse (H, Tq) with batch stride 1,
+the offsets' pointers and the packed row counts set, the grid over the longest sequence; and the plan must
+end with the launch that defines the rows no sequence covers.
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import cuflash  # noqa: E402
+from cuflash import api, kernels, varlen  # noqa: E402
+from cuflash.params import params_dtype  # noqa: E402
+
+from fake_gpu import FakeGPU  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+    return FakeGPU().install(monkeypatch.setattr)
+
+
+def packed(gpu, tq=50, tk=70, h=4, hk=2, d=64, dtype=BF16, batch=3):
+    q, k, v = gpu.array((tq, h, d), dtype), gpu.array((tk, hk, d), dtype), gpu.array((tk, hk, d), dtype)
+    cu_q, cu_k = gpu.array((batch + 1,), np.int32), gpu.array((batch + 1,), np.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def record(block: bytes):
+    return np.frombuffer(block, dtype=params_dtype())[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Offsets given as host data: every rule
+
+
+@pytest.mark.parametrize("values,match", [
+    ([0, 5, 3, 9], "non-decreasing"),
+    ([-1, 5, 9], "start at 0"),
+    ([0, 5, 11], "past q's 10 packed rows"),
+    ([0], "batch \\+ 1 >= 2"),
+    ([[0, 1], [1, 2]], "1-D"),
+])
+def test_bad_host_offsets_are_refused_naming_the_argument(values, match):
+    with pytest.raises(ValueError, match=match):
+        varlen.check_offsets(values, "cu_seqlens_q", 10, None, "q")
+
+
+def test_host_offsets_longer_than_max_seqlen_are_refused():
+    with pytest.raises(ValueError, match="cu_seqlens_k has a sequence of 7 tokens, more than max_seqlen_k = 6"):
+        varlen.check_offsets([0, 2, 9], "cu_seqlens_k", 9, 6, "k")
+    with pytest.raises(TypeError, match="integers"):
+        varlen.check_offsets(np.array([0.0, 2.0]), "cu_seqlens_q", 9, None, "q")
+    assert varlen.check_offsets([0, 0, 4, 4, 9], "cu_seqlens_q", 12, None, "q") == 5
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), (True, TypeError), (3.0, TypeError)])
+def test_bad_max_seqlen_is_refused(gpu, value, error):
+    q, k, v, cu_q, cu_k = packed(gpu)
+    with pytest.raises(error, match="max_seqlen_q"):
+        cuflash.varlen_attention(q, k, v, cu_q, cu_k, value, 10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Arrays and options
+
+
+@pytest.mark.parametrize("option", varlen.UNSUPPORTED_OPTIONS)
+def test_batch_indexed_options_are_refused(gpu, option):
+    q, k, v, cu_q, cu_k = packed(gpu)
+    with pytest.raises(ValueError, match=f"{option} is not supported with packed"):
+        cuflash.varlen_attention(q, k, v, cu_q, cu_k, 20, 20, **{option: object()})
+
+
+def test_wrong_layouts_and_offsets_are_refused(gpu):
+    q, k, v, cu_q, cu_k = packed(gpu)
+    with pytest.raises(ValueError, match="q must have 3 dimensions"):
+        cuflash.varlen_attention(q[None], k, v, cu_q, cu_k, 20, 20)
+    with pytest.raises(TypeError, match="cu_seqlens_k must have dtype int32"):
+        cuflash.varlen_attention(q, k, v, cu_q, gpu.array((4,), np.int64), 20, 20)
+    with pytest.raises(ValueError, match="cu_seqlens_q has 3 sequences but cu_seqlens_k has 4"):
+        cuflash.varlen_attention(q, k, v, cu_q, gpu.array((5,), np.int32), 20, 20)
+    with pytest.raises(ValueError, match="k has 3 heads, which does not divide"):
+        cuflash.varlen_attention(q, gpu.array((70, 3, 64), BF16), gpu.array((70, 3, 64), BF16), cu_q, cu_k, 20, 20)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 array"):
+        cuflash.varlen_attention(q, k, v, None, cu_k, 20, 20)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        cuflash.varlen_attention(q, k, v, cu_q, cu_k, 20, 20, dropout_p=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a packed call launches
+
+
+def test_packed_forward_addresses_packed_rows(gpu):
+    q, k, v, cu_q, cu_k = packed(gpu, tq=50, tk=70, h=4, hk=2, d=64)
+    out, lse = cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 30, 41, causal=True)
+    assert out.shape == (50, 4, 64) and lse.shape == (4, 50)
+    (fwd, tails) = gpu.launches
+    p = record(fwd[5])
+    assert fwd[1] == (1, 4, 3)  # ceil(30 / 128) query blocks of the longest sequence, H, B
+    assert tails[1] == (kernels.varlen_tails.GRID, 1, 1)
+    assert record(tails[5]).tobytes() == p.tobytes()  # the same block: the tails kernel reads the offsets too
+    assert (p["seqlen_q"], p["seqlen_k"], p["batch"], p["total_q"], p["total_k"]) == (30, 41, 3, 50, 70)
+    assert p["cu_seqlens_q"] == cu_q.data.ptr and p["cu_seqlens_k"] == cu_k.data.ptr
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        assert p[f"{name}_batch_stride"] == p[f"{name}_row_stride"] == t.strides[0] // t.itemsize
+        assert p[f"{name}_head_stride"] == t.strides[1] // t.itemsize
+    assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 50)
+
+
+def test_packed_backward_scratch_drops_the_batch_dim(gpu):
+    q, k, v, cu_q, cu_k = packed(gpu, tq=50, tk=70, h=8, hk=2, d=128)
+    shapes = cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, 30, 41, causal=False)
+    assert shapes["softmax_d"] == (8, 50)
+    assert shapes["dq_accum"] == (8, 50, 128)
+    for name in ("dk_accum", "dv_accum"):  # per-slot partials, when the plan keeps some
+        if name in shapes:
+            assert shapes[name][1:] == (70, 128)
+    out, lse = gpu.array((50, 8, 128), BF16), gpu.array((8, 50), np.float32)
+    gpu.launches.clear()
+    grads = cuflash.varlen_attention_backward(out, q, k, v, out, lse, cu_q, cu_k, 30, 41)
+    assert [g.shape for g in grads] == [(50, 8, 128), (70, 2, 128), (70, 2, 128)]
+    last = gpu.launches[-1]
+    assert last[1] == (kernels.varlen_tails.GRID, 1, 1)
+    p = record(last[5])
+    assert (p["dlse_batch_stride"], p["total_q"], p["total_k"]) == (0, 50, 70)  # no dlse given
