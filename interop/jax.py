@@ -42,6 +42,13 @@ Data-parallel over devices with ``shard_map`` (each device runs cuflash on its o
 
 ``attention`` itself also works inside a ``shard_map`` of your own (its results carry the inputs'
 varying-axes type, so ``check_vma`` holds).
+
+Packed variable-length sequences (``cuflash.varlen_attention``), differentiable the same way:
+
+    out = cfj.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
+
+with q ``(total_q, heads, head_dim)``, k / v ``(total_k, kv_heads, head_dim)``, the offsets int32
+``(batch + 1,)`` arrays (traced operands) and the longest lengths static ints (they fix the grid).
 """
 from __future__ import annotations
 
@@ -59,7 +66,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import cuflash
 from cuflash.interop import _cupy_stream
 
-__all__ = ["attention", "attention_sharded"]
+__all__ = ["attention", "attention_sharded", "varlen_attention"]
 
 # Array options with a gradient, and the name of the core's backward output (and keyword) that holds it.
 _GRADIENT_NAMES = {"bias": "dbias"}
@@ -183,6 +190,84 @@ def _attention_fn(static: tuple, return_lse: bool):
     attention_vjp.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     # Jitted so that an eager call is one cached executable; under an outer jit it inlines.
     return jax.jit(attention_vjp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed variable-length sequences: the same structure, the offsets as traced operands, the longest lengths
+# static. No vmap rule (a mapped axis has no batch to fold into).
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     return_lse: bool = False, **options):
+    """Attention over packed variable-length sequences (``cuflash.varlen_attention``), differentiable in JAX.
+
+    Args:
+      q: ``(total_q, heads, head_dim)``; k, v: ``(total_k, kv_heads, head_dim[_v])``: the sequences back to
+        back; cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` row offsets (traced); max_seqlen_q,
+        max_seqlen_k: ints >= every sequence's length (static: they fix the grid).
+      return_lse: also return ``lse (heads, total_q)`` float32, differentiable.
+      **options: ``scale``, ``causal``, ``window``, ``softcap`` (static), ``alibi_slopes`` ``(heads,)`` or
+        ``(batch, heads)`` (an array: traced, no gradient), ``deterministic``.
+
+    Returns:
+      ``out (total_q, heads, head_dim_v)`` in q's dtype, or ``(out, lse)``. Rows outside every sequence
+      get out 0 (and lse -inf); the offsets get no gradient.
+    """
+    static, arrays = _split_options(options)
+    lengths = (int(max_seqlen_q), int(max_seqlen_k))
+    return _varlen_fn(static, lengths, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k, arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_fn(static: tuple, lengths: tuple, return_lse: bool):
+    options = dict(static)
+    max_q, max_k = lengths
+    forward_cb = functools.partial(_varlen_forward_callback, options, lengths)
+    backward_cb = functools.partial(_varlen_backward_callback, options, lengths)
+
+    def forward(q, k, v, cu_q, cu_k, arrays):
+        cuflash.varlen_prepare(q, k, v, cu_q, cu_k, max_q, max_k, backward=False, **options, **arrays)
+        result = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v.shape[-1]), q.dtype),
+                  jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
+        args = (q, k, v, cu_q, cu_k, arrays)
+        return _vary_like(buffer_callback(forward_cb, result)(*args), args)
+
+    def backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, arrays):
+        cuflash.varlen_prepare(q, k, v, cu_q, cu_k, max_q, max_k, backward=True, **options, **arrays)
+        grads = {"dq": _like(q), "dk": _like(k), "dv": _like(v)}
+        workspace = {
+            name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+            for name, shape in cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, max_q, max_k, **options,
+                                                                 **arrays).items()
+        }
+        args = (dout, q, k, v, out, lse, dlse, cu_q, cu_k, arrays)
+        grads, _ = buffer_callback(backward_cb, (grads, workspace))(*args)
+        return _vary_like(grads, args)
+
+    @jax.custom_vjp
+    def varlen_vjp(q, k, v, cu_q, cu_k, arrays):
+        out, lse = forward(q, k, v, cu_q, cu_k, arrays)
+        return (out, lse) if return_lse else out
+
+    def varlen_fwd(q, k, v, cu_q, cu_k, arrays):
+        q, k, v, cu_q, cu_k, arrays = jax.tree.map(
+            lambda p: p.value, (q, k, v, cu_q, cu_k, arrays), is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
+        )
+        out, lse = forward(q, k, v, cu_q, cu_k, arrays)
+        return ((out, lse) if return_lse else out), (q, k, v, out, lse, cu_q, cu_k, arrays)
+
+    def varlen_bwd(residuals, cotangent):
+        q, k, v, out, lse, cu_q, cu_k, arrays = residuals
+        dout, dlse = cotangent if return_lse else (cotangent, None)
+        if isinstance(dout, SymbolicZero):
+            dout = jnp.zeros(dout.shape, dout.dtype)
+        if isinstance(dlse, SymbolicZero):
+            dlse = None
+        grads = backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, arrays)
+        return grads["dq"], grads["dk"], grads["dv"], None, None, {name: None for name in arrays}
+
+    varlen_vjp.defvjp(varlen_fwd, varlen_bwd, symbolic_zeros=True)
+    return jax.jit(varlen_vjp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,6 +439,20 @@ def _backward_callback(options, ctx, outputs, dout, q, k, v, out, lse, dlse, arr
     grads, workspace = outputs  # grads: dq, dk, dv (and dbias): the core's own keyword names
     _launch(
         cuflash.attention_backward, ctx, dout, q, k, v, out, lse,
+        dlse=dlse, workspace=workspace, **grads, **options, **arrays,
+    )
+
+
+def _varlen_forward_callback(options, lengths, ctx, outputs, q, k, v, cu_q, cu_k, arrays):
+    out, lse = outputs
+    _launch(cuflash.varlen_attention_forward, ctx, q, k, v, cu_q, cu_k, *lengths, out=out, lse=lse, **options,
+            **arrays)
+
+
+def _varlen_backward_callback(options, lengths, ctx, outputs, dout, q, k, v, out, lse, dlse, cu_q, cu_k, arrays):
+    grads, workspace = outputs
+    _launch(
+        cuflash.varlen_attention_backward, ctx, dout, q, k, v, out, lse, cu_q, cu_k, *lengths,
         dlse=dlse, workspace=workspace, **grads, **options, **arrays,
     )
 

@@ -23,6 +23,11 @@ allocates from torch and launches.
 Options are those of ``cuflash.attention``; they map onto the ops' arguments (``_OPTIONS``), a pair such as
 ``window=(left, right)`` onto two. ``bias`` gets its gradient (``_DIFFERENTIABLE``), other tensor options
 none. ``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, differentiable.
+
+Packed variable-length sequences: ``varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, causal=True)`` (ops ``cuflash::varlen_attention_fwd`` / ``_bwd``, the same structure) with q
+``(total_q, heads, head_dim)``, k / v ``(total_k, kv_heads, head_dim)``, int32 CUDA offsets ``(batch + 1,)`` and
+the longest lengths as ints.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch
 import cuflash
 from cuflash.interop import _cupy_stream
 
-__all__ = ["attention"]
+__all__ = ["attention", "varlen_attention"]
 
 # The ops' option arguments after the arrays, in schema order: (name, schema type, default).
 _OPTIONS = (
@@ -362,3 +367,129 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):
 
 def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed variable-length sequences: ops of their own (the offsets are tensors, the longest lengths ints).
+
+_VARLEN_OPTIONS = (
+    ("scale", "float?", None),
+    ("causal", "bool", False),
+    ("window_left", "int?", None),
+    ("window_right", "int?", None),
+    ("softcap", "float?", None),
+    ("alibi_slopes", "Tensor?", None),
+    ("deterministic", "bool", False),
+)
+_VARLEN_NAMES = tuple(name for name, _, _ in _VARLEN_OPTIONS)
+_VARLEN_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in _VARLEN_OPTIONS)
+_VARLEN_ARGS = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     return_lse: bool = False, scale=None, causal: bool = False, window=None, softcap=None,
+                     alibi_slopes=None, deterministic: bool = False):
+    """Attention over packed variable-length sequences (``cuflash.varlen_attention``), differentiable in torch.
+
+    Args:
+      q: ``(total_q, heads, head_dim)``; k, v: ``(total_k, kv_heads, head_dim[_v])``: the sequences back to
+        back, on one CUDA device; cu_seqlens_q, cu_seqlens_k: int32 CUDA tensors ``(batch + 1,)`` of row
+        offsets; max_seqlen_q, max_seqlen_k: ints >= every sequence's length.
+      return_lse: also return ``lse (heads, total_q)`` float32, differentiable.
+      scale, causal, window, softcap, alibi_slopes (``(heads,)`` or ``(batch, heads)`` float32, no
+        gradient), deterministic: as for ``cuflash.varlen_attention``.
+
+    Returns:
+      ``out (total_q, heads, head_dim_v)`` in q's dtype (contiguous), or ``(out, lse)``.
+    """
+    left, right = (None, None) if window is None else window
+    out, lse = _VARLEN_FORWARD(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                               bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def _varlen_core_options(op_options) -> dict:
+    values = dict(zip(_VARLEN_NAMES, op_options))
+    left, right = values.pop("window_left"), values.pop("window_right")
+    options = {name: value for name, value in values.items() if value is not None and value is not False}
+    if left is not None or right is not None:
+        options["window"] = (left, right)
+    return options
+
+
+def _varlen_outputs(q, v):
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, *op_options):
+    out, lse = _varlen_outputs(q, v)
+    _launch(cuflash.varlen_attention_forward, q, k, v, cu_q, cu_k, max_q, max_k, out=out, lse=lse,
+            **_varlen_core_options(op_options))
+    return out, lse
+
+
+def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, *op_options):
+    return _varlen_outputs(q, v)
+
+
+def _varlen_grads(q, k, v) -> list:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+
+
+def _varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, *op_options):
+    options = _varlen_core_options(op_options)
+    dq, dk, dv = _varlen_grads(q, k, v)
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, cu_q.shape, max_q, max_k,
+           tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options))
+    shapes = _WORKSPACE_SHAPES.get(key)
+    if shapes is None:
+        with cupy.cuda.Device(q.device.index):
+            found = cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        shapes = _WORKSPACE_SHAPES[key] = {name: tuple(shape) for name, shape in found.items()}
+    workspace = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+    _launch(cuflash.varlen_attention_backward, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dlse=dlse,
+            dq=dq, dk=dk, dv=dv, workspace=workspace, **options)
+    return [dq, dk, dv]
+
+
+def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, *op_options):
+    return _varlen_grads(q, k, v)
+
+
+_varlen_forward_op = torch.library.custom_op(
+    "cuflash::varlen_attention_fwd", _varlen_fwd, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN_ARGS}, {_VARLEN_SCHEMA}) -> (Tensor, Tensor)",
+)
+_varlen_forward_op.register_fake(_varlen_fwd_fake)
+_varlen_backward_op = torch.library.custom_op(
+    "cuflash::varlen_attention_bwd", _varlen_bwd, mutates_args=(),
+    schema=(f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_VARLEN_ARGS}, "
+            f"{_VARLEN_SCHEMA}) -> Tensor[]"),
+)
+_varlen_backward_op.register_fake(_varlen_bwd_fake)
+_VARLEN_FORWARD = torch.ops.cuflash.varlen_attention_fwd.default
+_VARLEN_BACKWARD = torch.ops.cuflash.varlen_attention_bwd.default
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, *op_options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, op_options[_VARLEN_NAMES.index("alibi_slopes")])
+    ctx.lengths = (max_q, max_k)
+    ctx.op_options = op_options
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    op_options = list(ctx.op_options)
+    op_options[_VARLEN_NAMES.index("alibi_slopes")] = alibi
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    dq, dk, dv = _VARLEN_BACKWARD(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths, *op_options)
+    return (dq, dk, dv, None, None, None, None, *(None for _ in op_options))
+
+
+_varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
