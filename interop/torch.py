@@ -240,19 +240,24 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, *op_options):
     return _backward_outputs(q, k, v, op_options)
 
 
-_forward_op = torch.library.custom_op(
-    "cuflash::attention_fwd", _attention_fwd, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTION_SCHEMA}) -> (Tensor, Tensor)",
-)
-_forward_op.register_fake(_attention_fwd_fake)
-_backward_op = torch.library.custom_op(
-    "cuflash::attention_bwd", _attention_bwd, mutates_args=(),
-    schema=(
-        "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-        f"{_OPTION_SCHEMA}) -> Tensor[]"
-    ),
-)
-_backward_op.register_fake(_attention_bwd_fake)
+def _define_ops(name: str, forward, forward_fake, backward, backward_fake, arguments: str):
+    """The forward op ``cuflash::{name}_fwd`` (q, k, v, arguments -> out, lse) and its backward op
+    ``cuflash::{name}_bwd`` (dout, q, k, v, out, lse, dlse, arguments -> grads), with their fake kernels."""
+    forward_op = torch.library.custom_op(
+        f"cuflash::{name}_fwd", forward, mutates_args=(),
+        schema=f"(Tensor q, Tensor k, Tensor v, {arguments}) -> (Tensor, Tensor)",
+    )
+    forward_op.register_fake(forward_fake)
+    backward_op = torch.library.custom_op(
+        f"cuflash::{name}_bwd", backward, mutates_args=(),
+        schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {arguments}) -> Tensor[]",
+    )
+    backward_op.register_fake(backward_fake)
+    return forward_op, backward_op
+
+
+_forward_op, _backward_op = _define_ops("attention", _attention_fwd, _attention_fwd_fake, _attention_bwd,
+                                        _attention_bwd_fake, _OPTION_SCHEMA)
 _FORWARD = torch.ops.cuflash.attention_fwd.default
 _BACKWARD = torch.ops.cuflash.attention_bwd.default
 
@@ -458,17 +463,8 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, *o
     return _varlen_grads(q, k, v)
 
 
-_varlen_forward_op = torch.library.custom_op(
-    "cuflash::varlen_attention_fwd", _varlen_fwd, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN_ARGS}, {_VARLEN_SCHEMA}) -> (Tensor, Tensor)",
-)
-_varlen_forward_op.register_fake(_varlen_fwd_fake)
-_varlen_backward_op = torch.library.custom_op(
-    "cuflash::varlen_attention_bwd", _varlen_bwd, mutates_args=(),
-    schema=(f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_VARLEN_ARGS}, "
-            f"{_VARLEN_SCHEMA}) -> Tensor[]"),
-)
-_varlen_backward_op.register_fake(_varlen_bwd_fake)
+_varlen_forward_op, _ = _define_ops("varlen_attention", _varlen_fwd, _varlen_fwd_fake, _varlen_bwd,
+                                    _varlen_bwd_fake, f"{_VARLEN_ARGS}, {_VARLEN_SCHEMA}")
 _VARLEN_FORWARD = torch.ops.cuflash.varlen_attention_fwd.default
 _VARLEN_BACKWARD = torch.ops.cuflash.varlen_attention_bwd.default
 
