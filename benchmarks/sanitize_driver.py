@@ -43,7 +43,8 @@ class Case:
     causal: bool
     deterministic: bool
     dlse: bool
-    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads
+    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads,
+    #                    varlen (B packed sequences of random lengths <= Sq / Sk, uncovered rows after them)
 
     def __str__(self) -> str:
         return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
@@ -74,6 +75,10 @@ def cases(quick: bool = False) -> list:
             Case("bool mask per kv head + window, deterministic", dtype, 2, 140, 170, 4, 2, 64, 64, False, True,
                  False, "maskheads+window"),
             Case("bool mask + full bias, D 256", dtype, 1, 90, 120, 2, 1, 256, 256, True, True, False, "mask+bias"),
+            Case("varlen: 40 short sequences (the epilogue of many tiny blocks), GQA", dtype, 40, 40, 40, 4, 2, 64, 64,
+                 True, False, True, "varlen"),
+            Case("varlen: ragged + window, MQA, deterministic", dtype, 5, 300, 260, 4, 1, 128, 128, True, True, False,
+                 "varlen+window"),
         ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
@@ -138,27 +143,42 @@ def _options(case: Case, rng) -> dict:
         elif name in ("mask", "maskheads"):
             shape = (case.B, case.Hkv if name == "maskheads" else 1, case.Sq, case.Sk)
             opts["mask"] = cupy.asarray(rng.random(shape) < 0.6)
+        elif name == "varlen":
+            pass  # run_varlen_case
         else:
             raise ValueError(f"unknown option {name!r} in case {case}")
     return opts
 
 
-def run_case(case: Case, seed: int) -> int:
+def run_varlen_case(case: Case, seed: int) -> int:
+    """Packed sequences: B lengths drawn from [0, Sq] and [0, Sk] (one of each forced to the maximum), 3 q rows
+    and 2 k rows after the last sequence that no sequence covers; offsets on the GPU with the longest given."""
     import cupy
 
     import cuflash
 
     rng = np.random.default_rng(seed)
     dt = _dtype(case.dtype)
-    q = _device_array(rng, (case.B, case.Sq, case.H, case.D), dt)
-    k = _device_array(rng, (case.B, case.Sk, case.Hkv, case.D), dt)
-    v = _device_array(rng, (case.B, case.Sk, case.Hkv, case.Dv), dt)
-    dout = _device_array(rng, (case.B, case.Sq, case.H, case.Dv), dt)
-    dlse = cupy.asarray(rng.standard_normal((case.B, case.H, case.Sq), dtype=np.float32)) if case.dlse else None
+    lens_q, lens_k = rng.integers(0, case.Sq + 1, case.B), rng.integers(0, case.Sk + 1, case.B)
+    lens_q[0], lens_k[-1] = case.Sq, case.Sk
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lens_q, lens_k))
+    tq, tk = int(lens_q.sum()) + 3, int(lens_k.sum()) + 2
+    q = _device_array(rng, (tq, case.H, case.D), dt)
+    k = _device_array(rng, (tk, case.Hkv, case.D), dt)
+    v = _device_array(rng, (tk, case.Hkv, case.Dv), dt)
+    dout = _device_array(rng, (tq, case.H, case.Dv), dt)
+    dlse = cupy.asarray(rng.standard_normal((case.H, tq), dtype=np.float32)) if case.dlse else None
     opts = _options(case, rng)
-    out, lse = cuflash.attention_forward(q, k, v, causal=case.causal, **opts)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
-                                       deterministic=case.deterministic, **opts)
+    lengths = (cu_q, cu_k, case.Sq, case.Sk)
+    out, lse = cuflash.varlen_attention_forward(q, k, v, *lengths, causal=case.causal, **opts)
+    grads = cuflash.varlen_attention_backward(dout, q, k, v, out, lse, *lengths, dlse=dlse, causal=case.causal,
+                                              deterministic=case.deterministic, **opts)
+    return _count_bad(out, lse, grads)
+
+
+def _count_bad(out, lse, grads) -> int:
+    import cupy
+
     cupy.cuda.Device().synchronize()
     bad = 0
     for name, x in zip(("out", "dq", "dk", "dv", "dbias"), (out, *grads)):
@@ -170,6 +190,27 @@ def run_case(case: Case, seed: int) -> int:
     if lse_bad:
         print(f"  lse: {lse_bad} NaN / +inf elements")
     return bad + lse_bad
+
+
+def run_case(case: Case, seed: int) -> int:
+    import cupy
+
+    import cuflash
+
+    if "varlen" in case.options.split("+"):
+        return run_varlen_case(case, seed)
+    rng = np.random.default_rng(seed)
+    dt = _dtype(case.dtype)
+    q = _device_array(rng, (case.B, case.Sq, case.H, case.D), dt)
+    k = _device_array(rng, (case.B, case.Sk, case.Hkv, case.D), dt)
+    v = _device_array(rng, (case.B, case.Sk, case.Hkv, case.Dv), dt)
+    dout = _device_array(rng, (case.B, case.Sq, case.H, case.Dv), dt)
+    dlse = cupy.asarray(rng.standard_normal((case.B, case.H, case.Sq), dtype=np.float32)) if case.dlse else None
+    opts = _options(case, rng)
+    out, lse = cuflash.attention_forward(q, k, v, causal=case.causal, **opts)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=case.causal,
+                                       deterministic=case.deterministic, **opts)
+    return _count_bad(out, lse, grads)
 
 
 def kernel_names(case_list, arch: int) -> list:
@@ -186,7 +227,8 @@ def kernel_names(case_list, arch: int) -> list:
                                      general_mask=bool(names_in & {"window", "segments", "blocks", "mask",
                                                                    "maskheads"}),
                                      score_mod=mod, mask_heads=c.Hkv if "maskheads" in names_in else 1,
-                                     bool_mask=bool(names_in & {"mask", "maskheads"}))
+                                     bool_mask=bool(names_in & {"mask", "maskheads"}),
+                                     packed="varlen" in names_in, total_q=c.B * c.Sq, total_k=c.B * c.Sk)
         for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, c.deterministic)):
             for launch in plan.launches:
                 names.add(launch.variant.name)
