@@ -323,7 +323,7 @@ struct BwdMainloop {
     // causal spilled on sm_80). The dQ kernel keeps the hoisted one: a rebuilt K / V pointer would redo
     // the h / h_per_kv division every step.
     __device__ __forceinline__ SeqInfo streamed_seq() const {
-        if constexpr (kKeyRows) return SeqInfo(params, opaque(seq.b), opaque(seq.h));
+        if constexpr (kKeyRows) return SeqInfo::query_side(params, opaque(seq.b), opaque(seq.h));
         else return seq;
     }
 

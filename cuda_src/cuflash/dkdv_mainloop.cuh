@@ -121,7 +121,7 @@ struct DkdvMainloop {
             Math::fence_loaded();
             __syncthreads();
             if (step + 1 < num_steps) {
-                Loads::load_queries(params, SeqInfo(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
+                Loads::load_queries(params, SeqInfo::query_side(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
                                     opaque(tid), key0);
                 sm80::cp_async_commit();
             }
@@ -150,7 +150,8 @@ struct DkdvMainloop {
 
             // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             float* dq_rows =
-                Cfg::kAtomicDq ? SeqInfo(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim) : nullptr;
+                Cfg::kAtomicDq ? SeqInfo::query_side(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim)
+                               : nullptr;
             Math::accumulate(acc_dv, acc_dk, acc_s, acc_dp, smem, s_q, s_do, r, dq_rows, seqlen_q - query0,
                              params.head_dim);
             if constexpr (Cfg::kBias && Cfg::kHasDs) {

@@ -85,7 +85,7 @@ struct DqMainloopSm80 {
             sm80::cp_async_wait<0>();
             __syncthreads();
             if (j + 1 < num_blocks) {
-                load_keys(params, SeqInfo(params, opaque(b), opaque(h)), smem, blocks.block(j + 1), stage ^ 1,
+                load_keys(params, SeqInfo::key_side(params, opaque(b), opaque(h)), smem, blocks.block(j + 1), stage ^ 1,
                           opaque(tid));
                 sm80::cp_async_commit();
             }

@@ -29,13 +29,13 @@ struct DirectStore {
     }
 };
 
-// dK / dV rows into fp32 partial `slot` of `slots` per batch (row width kWidth).
+// dK / dV rows into fp32 partial `slot` of the sequence (row width kWidth).
 template <int kWidth>
 struct PartialStore {
     float* dk;
     float* dv;
-    __device__ __forceinline__ PartialStore(const AttnParams& p, const SeqInfo& seq, int slot, int slots)
-        : dk(seq.dk_accum(p, kWidth, slot, slots)), dv(seq.dv_accum(p, kWidth, slot, slots)) {}
+    __device__ __forceinline__ PartialStore(const AttnParams& p, const SeqInfo& seq, int slot)
+        : dk(seq.dk_accum_slot(p, kWidth, slot)), dv(seq.dv_accum_slot(p, kWidth, slot)) {}
     __device__ __forceinline__ void store_dk(int row, int col, float x, float y) const {
         *reinterpret_cast<float2*>(dk + static_cast<long long>(row) * kWidth + col) = make_float2(x, y);
     }
@@ -59,7 +59,7 @@ struct DkdvEpilogue {
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
             store_rows(DirectStore<typename Cfg::Elem>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
         } else {
-            const PartialStore<Cfg::kHeadDim> out(params, seq, group, params.num_heads / heads);
+            const PartialStore<Cfg::kHeadDim> out(params, seq, group);
             store_rows(out, params, seq, r, row_lo, acc_dk, acc_dv);
         }
     }
@@ -145,8 +145,8 @@ __device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const 
 template <typename Elem, int kHeadDim, int kRows, int kThreads>
 __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const SeqInfo& first, int row0) {
     constexpr int kChunks = kHeadDim / 8;
-    const long long head_size = SeqInfo::k_scratch_head_rows(params) * kHeadDim;  // floats per partial
-    const int parts = params.h_per_kv / params.dkdv_heads, slots = params.num_heads / params.dkdv_heads;
+    const long long head_size = params.k_scratch_head_stride * kHeadDim;  // floats between partials
+    const int parts = params.h_per_kv / params.dkdv_heads;
     const int slot0 = first.h_kv * parts;
     for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
         const int row = row0 + i / kChunks;
@@ -157,8 +157,8 @@ __device__ __forceinline__ void reduce_dkdv_rows(const AttnParams& params, const
         for (int which = 0; which < 2; ++which) {
             const int cols = which == 0 ? params.head_dim : params.head_dim_v;
             if (c * 8 >= cols) continue;
-            const float* part = (which == 0 ? first.dk_accum(params, kHeadDim, slot0, slots)
-                                            : first.dv_accum(params, kHeadDim, slot0, slots)) + offset;
+            const float* part = (which == 0 ? first.dk_accum_slot(params, kHeadDim, slot0)
+                                            : first.dv_accum_slot(params, kHeadDim, slot0)) + offset;
             float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
             for (int j = 0; j < parts; ++j) {  // 4 partials' loads in flight per thread

@@ -100,6 +100,10 @@ struct AttnParams {
     int bias_staged;    // 1: 16-byte bias rows (bias.cuh): the mainloops that can copy its tiles to shared memory
     int mask_heads;     // heads of the bool mask's block lists: 1 (no mask, or one shared by all heads), Hkv or H
     int mask_head_div;  // query heads per mask head (num_heads / mask_heads)
+    // The fp32 scratch's rows (SeqInfo::q_scratch_row / k_scratch_row): row r of head (or partial slot) h of the
+    // batch index bq / bk is bq * batch + h * head + r: (B, heads, S) batched, (heads, T) packed (the plan
+    // sets them: the k side's heads are the query heads or the dK/dV partial slots).
+    int q_scratch_batch_stride, q_scratch_head_stride, k_scratch_batch_stride, k_scratch_head_stride;
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2
     float softcap;      // > 0: s = softcap * tanh(s / softcap) (score-modifier variants); 0 = off

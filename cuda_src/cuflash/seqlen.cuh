@@ -46,10 +46,35 @@ struct SeqInfo {
         }
     }
 
+    // One side only, for loops that rebuild their pointers every step from opaque (b, h) (cuflash/
+    // dkdv_mainloop.cuh): the query side (q / o / dout / dq / lse / dlse / softmax_d / dq_accum) or the key side
+    // (k / v / dk / dv and their scratch). The other side's fields are 0, and its accessors must not be used;
+    // the query side skips the h / h_per_kv division, each skips the other side's offsets.
+    static __device__ __forceinline__ SeqInfo query_side(const AttnParams& p, int b_, int h_) {
+        SeqInfo s;
+        s.b = b_, s.h = h_, s.h_kv = 0, s.bk = 0, s.seqlen_k = 0;
+        if (p.cu_seqlens_q == nullptr) {
+            s.bq = b_, s.seqlen_q = p.seqlen_q;
+        } else {
+            const int2 q_span = span(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
+            s.bq = q_span.x, s.seqlen_q = q_span.y;
+        }
+        return s;
+    }
+    static __device__ __forceinline__ SeqInfo key_side(const AttnParams& p, int b_, int h_) {
+        SeqInfo s;
+        s.b = b_, s.h = h_, s.h_kv = h_ / p.h_per_kv, s.bq = 0, s.seqlen_q = 0;
+        if (p.cu_seqlens_k == nullptr) {
+            s.bk = b_, s.seqlen_k = p.seqlen_k;
+        } else {
+            const int2 k_span = span(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
+            s.bk = k_span.x, s.seqlen_k = k_span.y;
+        }
+        return s;
+    }
+
     // Bottom-right alignment: query i and key j are on the diagonal when j = i + causal_offset.
     __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }
-    // Whether the layout is packed (each sequence its own lengths).
-    static __device__ __forceinline__ bool packed(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
 
     // Row `row` of this (batch, head) of each bshd tensor (query-side rows for q / o / dout / dq, key-side
     // rows for k / v / dk / dv).
@@ -99,42 +124,40 @@ struct SeqInfo {
     }
 
     // Contiguous fp32 scratch with a row per query (key) and `width` floats per row, for head (or partial
-    // slot) `head` of `heads`: (B, heads, S, width) batched, (heads, T, width) packed.
-    __device__ __forceinline__ long long q_scratch_row(const AttnParams& p, int head, int heads, int row) const {
-        return packed(p) ? static_cast<long long>(head) * p.total_q + bq + row
-                         : (static_cast<long long>(b) * heads + head) * p.seqlen_q + row;
+    // slot) `head`: (B, heads, S, width) batched, (heads, T, width) packed, through the plan's strides (so the
+    // batched loops pay no test of the layout).
+    // (32-bit: the host keeps every scratch tensor under 2^31 rows.)
+    __device__ __forceinline__ long long q_scratch_row(const AttnParams& p, int head, int row) const {
+        return bq * p.q_scratch_batch_stride + head * p.q_scratch_head_stride + row;
     }
-    __device__ __forceinline__ long long k_scratch_row(const AttnParams& p, int head, int heads, int row) const {
-        return packed(p) ? static_cast<long long>(head) * p.total_k + bk + row
-                         : (static_cast<long long>(b) * heads + head) * p.seqlen_k + row;
-    }
-    // Rows between consecutive heads (slots) of a k-side scratch tensor.
-    static __device__ __forceinline__ long long k_scratch_head_rows(const AttnParams& p) {
-        return packed(p) ? p.total_k : p.seqlen_k;
+    __device__ __forceinline__ long long k_scratch_row(const AttnParams& p, int head, int row) const {
+        return bk * p.k_scratch_batch_stride + head * p.k_scratch_head_stride + row;
     }
 
     __device__ __forceinline__ float* softmax_d(const AttnParams& p, int row = 0) const {
-        return p.softmax_d + q_scratch_row(p, h, p.num_heads, row);
+        return p.softmax_d + q_scratch_row(p, h, row);
     }
     __device__ __forceinline__ float* dq_accum(const AttnParams& p, int row, int width) const {
-        return p.dq_accum + q_scratch_row(p, h, p.num_heads, row) * width;
+        return p.dq_accum + q_scratch_row(p, h, row) * width;
     }
+    // Query head h's fp32 dK / dV (the SIMT backward's per-head partials).
     __device__ __forceinline__ float* dk_accum(const AttnParams& p, int width) const {
-        return p.dk_accum + k_scratch_row(p, h, p.num_heads, 0) * width;
+        return p.dk_accum + k_scratch_row(p, h, 0) * width;
     }
     __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width) const {
-        return p.dv_accum + k_scratch_row(p, h, p.num_heads, 0) * width;
+        return p.dv_accum + k_scratch_row(p, h, 0) * width;
     }
-    // Partial `slot` of `slots` per sequence: the tensor-core dK/dV kernel writes one per dkdv_heads query
-    // heads.
-    __device__ __forceinline__ float* dk_accum(const AttnParams& p, int width, int slot, int slots) const {
-        return p.dk_accum + k_scratch_row(p, slot, slots, 0) * width;
+    // Partial `slot` of this sequence: the tensor-core dK/dV kernel writes one per dkdv_heads query heads.
+    __device__ __forceinline__ float* dk_accum_slot(const AttnParams& p, int width, int slot) const {
+        return p.dk_accum + k_scratch_row(p, slot, 0) * width;
     }
-    __device__ __forceinline__ float* dv_accum(const AttnParams& p, int width, int slot, int slots) const {
-        return p.dv_accum + k_scratch_row(p, slot, slots, 0) * width;
+    __device__ __forceinline__ float* dv_accum_slot(const AttnParams& p, int width, int slot) const {
+        return p.dv_accum + k_scratch_row(p, slot, 0) * width;
     }
 
   private:
+    __device__ __forceinline__ SeqInfo() {}
+
     // Sequence b's (first packed row, length) from a cu_seqlens array, clamped into [0, total] and to the
     // grid's longest length.
     static __device__ __forceinline__ int2 span(const int* cu, int b, int total, int longest) {

@@ -15,6 +15,7 @@ command can enumerate them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: Head-dim buckets: one compiled variant serves every multiple of 8 up to its bucket.
@@ -87,6 +88,20 @@ class ProblemShape:
     def k_scratch(self, heads: int, *width: int) -> tuple:
         """The same with a row per key (SeqInfo::k_scratch_row)."""
         return (heads, self.total_k, *width) if self.packed else (self.batch, heads, self.seqlen_k, *width)
+
+    def scratch_strides(self, k_heads: int) -> tuple:
+        """The AttnParams fields that lay out a backward's scratch rows as :meth:`q_scratch` (the query heads)
+        and :meth:`k_scratch` (``k_heads`` heads or partial slots) do: (field, rows) pairs."""
+        if self.packed:
+            q, k = (1, self.total_q), (1, self.total_k)
+        else:
+            q, k = (self.num_heads * self.seqlen_q, self.seqlen_q), (k_heads * self.seqlen_k, self.seqlen_k)
+        rows = max(math.prod(self.q_scratch(self.num_heads)), math.prod(self.k_scratch(k_heads)))
+        if rows >= 2**31:  # the kernels index scratch rows in 32 bits (SeqInfo::q_scratch_row)
+            raise ValueError(f"the backward's scratch would hold {rows} rows (batch x heads x sequence); at most "
+                             f"{2**31 - 1} are supported")
+        return (("q_scratch_batch_stride", q[0]), ("q_scratch_head_stride", q[1]),
+                ("k_scratch_batch_stride", k[0]), ("k_scratch_head_stride", k[1]))
 
     @property
     def head_dim_bucket(self) -> int:

@@ -385,7 +385,8 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, REDUCE_BLOCK_ROWS), hk, b)))
         scratch.append(("dk_accum", shape.k_scratch(h // heads, bucket)))
         scratch.append(("dv_accum", shape.k_scratch(h // heads, bucket)))
-    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(("dkdv_heads", heads), *fields))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch),
+                fields=(("dkdv_heads", heads), *shape.scratch_strides(h // heads), *fields))
 
 
 def all_variants(arch: int) -> list:

@@ -204,7 +204,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(reduce_variant(bucket), (_cdiv(sk, REDUCE_ROWS), h_kv, b)))
         scratch += [("dk_accum", shape.k_scratch(h, bucket)), ("dv_accum", shape.k_scratch(h, bucket))]
     launches.append(Launch(dq, (_cdiv(sq, dq.config.block_m), h, b)))
-    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=tuple(fields))
+    return Plan(launches=tuple(launches), scratch=tuple(scratch), fields=(*shape.scratch_strides(h), *fields))
 
 
 def all_variants(arch: int) -> list:
