@@ -119,6 +119,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     clear(acc_dv);
     clear(acc_dk);
     Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+    if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_dv, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
     DkdvEpilogue<Cfg, Mainloop>::store(params, b, group, heads, n_block, acc_dk, acc_dv);
 }
 

@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
 
     float lse[Cfg::kMTiles][2];
     softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
+    if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_o, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
     Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, smem_q);
 }
 

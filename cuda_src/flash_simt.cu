@@ -39,6 +39,7 @@
 #include "cuflash/block.cuh"
 #include "cuflash/mask.cuh"
 #include "cuflash/score_mod.cuh"
+#include "cuflash/dropout.cuh"
 #include "cuflash/simt_tile.cuh"
 
 namespace cuflash {
@@ -62,6 +63,7 @@ struct Config {
     static constexpr int kPitch = kHeadDim + kPad;  // row pitch of the (rows x kHeadDim) shared tiles
     using Cols = OutCols<kHeadDim>;
     using Mask = MaskOf<kMask>;
+    using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Keys = KeyBlocksOf<kMask, kBlockM, kBlockN>;       // key blocks of a query block (forward, dQ)
     using Queries = QueryBlocksOf<kMask, kBlockM, kBlockN>;  // query blocks of a key block (dK / dV)
     using ScoreMod = ScoreModOf<kScoreMod_, float>;
@@ -216,8 +218,9 @@ __device__ __forceinline__ void store_forward(const AttnParams& params, const Se
         const int row = at.query(row0, i, 0);
         if (row >= seq.seqlen_q) continue;
         const bool empty = !(l > 0.f);
+        const float rp = Cfg::Dropout::rp(params);  // dropout's 1 / (1 - p) on the kept probabilities
         store_row<Cfg::kHeadDim>(seq.o<float>(params, row), acc_o[i], params.head_dim_v, at.tx,
-                                 [&](float x) { return empty ? 0.f : x / l; });
+                                 [&](float x) { return empty ? 0.f : (Cfg::Dropout::kEnabled ? rp * x : x) / l; });
         float* lse = seq.lse(params, row);
         // m is in the log2 domain: lse = m * ln(2) + log(l).
         if (at.tx == 0 && lse != nullptr) *lse = empty ? -INFINITY : fmaf(softmax.m[i], kLn2, logf(l));
@@ -386,13 +389,18 @@ struct BwdMainloop {
         float dp[kI][kJ];
         tile_dot_abt<kTileRows, kTileCols, Cfg::kPitch>(dp, sm.fixed_dp, sm.step_dp, round_up4(params.head_dim_v),
                                                         at.tx, at.ty);
+        const typename Cfg::Dropout dropout(params, seq.b, seq.h);
+        const float rp = Cfg::Dropout::rp(params);
 #pragma unroll
         for (int i = 0; i < kI; ++i) {
 #pragma unroll
             for (int j = 0; j < kJ; ++j) {
-                const float ds_mod = p[i][j] * (dp[i][j] - delta[kKeyRows ? j : i]);
+                // Dropout: dP of a kept probability times 1 / (1 - p), of a dropped one 0; dV sees P kept or 0.
+                const bool keep = dropout.keep(at.query(row0, i, j), at.key(col0, i, j));
+                const float dp_kept = Cfg::Dropout::kEnabled ? (keep ? dp[i][j] * rp : 0.f) : dp[i][j];
+                const float ds_mod = p[i][j] * (dp_kept - delta[kKeyRows ? j : i]);
                 const int idx = (at.ty + i * kThreadRows) * Smem::kPPitch + at.tx + j * kLanesPerRow;
-                if constexpr (kKeyRows) sm.p[idx] = p[i][j];
+                if constexpr (kKeyRows) sm.p[idx] = keep ? p[i][j] : 0.f;
                 // The dK/dV kernel (kKeyRows) sees each score once per query head: it writes dbias.
                 if constexpr (kKeyRows) {
                     sm.ds[idx] = score_mod.grad_one_dbias(params, ds_mod, s[i][j], at.query(row0, i, j), at.key(col0, i, j));
@@ -423,8 +431,9 @@ __device__ __forceinline__ void store_dkdv(const AttnParams& params, const SeqIn
         float* dv_row = to_partials ? seq.dv_accum(params, kHeadDim) + partial : seq.dv<float>(params, key);
         store_row<kHeadDim>(dk_row, acc_dk[i], to_partials ? kHeadDim : params.head_dim, at.tx,
                             [&](float x) { return scale * x; });
+        const float rp = Cfg::Dropout::rp(params);  // dropout's 1 / (1 - p); 1 without dropout
         store_row<kHeadDim>(dv_row, acc_dv[i], to_partials ? kHeadDim : params.head_dim_v, at.tx,
-                            [](float x) { return x; });
+                            [&](float x) { return Cfg::Dropout::kEnabled ? rp * x : x; });
     }
 }
 
@@ -481,6 +490,15 @@ flash_fwd_simt_kernel(const AttnParams params) {
         modify_and_mask<Cfg>(s, mask, score_mod, blocks.masked(index), at, row0, col0);
         float correction[kRows];
         softmax.template step<Smem::kPPitch>(s, correction, sm.p, scale_log2, at);
+        if constexpr (Cfg::Dropout::kEnabled) {  // the thread's own P elements: dropout's zeros (l holds them)
+            const typename Cfg::Dropout dropout(params, seq.b, seq.h);
+#pragma unroll
+            for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                for (int j = 0; j < kCols; ++j)
+                    if (!dropout.keep(at.query(row0, i, j), at.key(col0, i, j)))
+                        sm.p[(at.ty + i * kThreadRows) * Smem::kPPitch + at.tx + j * kLanesPerRow] = 0.f;
+        }
 
         // V(n) landed and P is visible; every thread finished reading K(n), so sK is free.
         sm80::cp_async_wait<0>();

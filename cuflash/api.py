@@ -108,6 +108,8 @@ def _score_options_key(options: dict, *, bias_ok: bool = True) -> tuple:
         return None, None
     if not set(options) <= set(validation.SCORE_OPTIONS) or (not bias_ok and options.get("bias") is not None):
         raise KeyError("not a cached score option")
+    if options.get("dropout_p"):  # a new seed every step: each dropout call is validated (not cached)
+        raise KeyError("dropout is not cached")
     window = options.get("window")
     window_key = None if window is None else (type(window), len(window), *((type(w), w) for w in window))
     softcap = options.get("softcap")

@@ -140,7 +140,7 @@ _SCRATCH_ALIGNMENT = 256
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
                   "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
                   "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask", "cu_seqlens_q",
-                  "cu_seqlens_k")
+                  "cu_seqlens_k", "dropout_seed_ptr")
 #: How many of them a call without score options patches (the rest stay null).
 PLAIN_POINTERS = 14
 #: How many a cached call with score options patches; a call with a bias or a bool mask packs BIAS_MASK_POINTERS

@@ -14,8 +14,9 @@ import numpy as np
 from . import sources
 
 # C type of a declaration -> numpy type of the mirror field (pointers travel as 64-bit integers).
-_SCALAR_TYPES = {"long long": np.int64, "int": np.int32, "float": np.float32}
-_DECLARATION = re.compile(r"^\s*(const\s+)?(void|float|long long|int|unsigned char)\s*(\*?)\s*([^;]+);")
+_SCALAR_TYPES = {"long long": np.int64, "int": np.int32, "unsigned": np.uint32, "float": np.float32}
+_DECLARATION = re.compile(
+    r"^\s*(const\s+)?(void|float|long long|int|unsigned char|unsigned long long|unsigned)\s*(\*?)\s*([^;]+);")
 
 
 def _fields_of(header: str) -> list:

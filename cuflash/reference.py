@@ -21,8 +21,9 @@ Debugging a kernel result on the host::
                                                    causal=True, window=(128, 0))
     print(reference.relative_error(out.get(), ref_out))   # ~1e-3 for bfloat16 is healthy
 
-Dropout cannot be reproduced bit-for-bit here (the kernel's Philox stream lives on the GPU), so the
-reference takes the keep-mask explicitly: ``dropout_mask`` (bool, True = keep).
+Dropout takes its keep-mask explicitly: ``dropout_mask`` (bool, True = keep). ``dropout_keep_mask(seed,
+dropout_p, ...)`` computes the very mask the kernels draw for a seed (Philox-4x32-10, one 32-bit uniform per
+(b, h, i, j); see its docstring), so a kernel's dropout can be checked element for element.
 
 The module also holds the low-precision "naive" model (``naive_forward`` / ``naive_backward``): how a
 plain framework computes attention in float16/bfloat16/float32. Tests use its error as the baseline a
@@ -42,6 +43,8 @@ __all__ = [
     "NAIVE_DTYPES",
     "attention_backward",
     "attention_forward",
+    "dropout_keep_mask",
+    "philox4x32_10",
     "naive_backward",
     "naive_forward",
     "relative_error",
@@ -606,6 +609,69 @@ def varlen_attention_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, dlse
 
 
 # ----------------------------------------------------------------------------------------------------
+# Dropout's random stream: the kernels' keep-mask, reproduced on the host
+# ----------------------------------------------------------------------------------------------------
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key, xp=None):
+    """Philox-4x32-10 (Salmon et al., SC 2011; Random123's ``philox4x32``): four uint32 arrays ``counter``
+    (broadcastable) and a key of two uint32 -> four uint32 arrays. The same function the kernels run
+    (cuda_src/cuflash/dropout.cuh)."""
+    xp = _array_module(xp)
+    mask = np.uint64(_U32)
+    c0, c1, c2, c3 = (xp.asarray(c).astype(np.uint64) for c in counter)
+    k0, k1 = np.uint64(int(key[0]) & _U32), np.uint64(int(key[1]) & _U32)
+    m0, m1 = np.uint64(_PHILOX_M[0]), np.uint64(_PHILOX_M[1])
+    for r in range(10):
+        p0, p1 = m0 * c0, m1 * c2  # 32 x 32 -> 64 bits, exact in uint64
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0) & mask, p1 & mask, ((p0 >> np.uint64(32)) ^ c3 ^ k1) & mask, \
+            p0 & mask
+        if r < 9:
+            k0, k1 = (k0 + np.uint64(_PHILOX_W[0])) & mask, (k1 + np.uint64(_PHILOX_W[1])) & mask
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The uint32 threshold of ``dropout_p``: a uniform u is kept iff u >= threshold (so the keep probability
+    is 1 - dropout_p to within 2^-32)."""
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return min(int(round(float(dropout_p) * 2.0 ** 32)), _U32)
+
+
+def dropout_keep_mask(seed: int, dropout_p: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                      xp=None):
+    """The kernels' dropout keep-mask, bool ``(batch, heads, seqlen_q, seqlen_k)`` (True = keep).
+
+    Element (b, h, i, j) keeps its probability iff its uniform u >= ``dropout_threshold(dropout_p)``, where
+    u is word ``2 * bit3(i) + bit3(j)`` of ``philox4x32_10((j & ~8, i & ~8, h, b), (seed low 32 bits, seed
+    high 32 bits))``: one Philox call serves the four elements (i, j), (i, j + 8), (i + 8, j), (i + 8, j + 8)
+    whose indices differ only in bit 3, which is what one GPU thread holds in every accumulator layout the
+    kernels use. ``i`` / ``j`` count from the start of the sequence (per sequence with packed sequences, b
+    being the sequence); ``h`` is the query head.
+    """
+    xp = _array_module(xp)
+    threshold = dropout_threshold(dropout_p)
+    seed = int(seed)
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed}")
+    b = xp.arange(batch, dtype=np.uint32)[:, None, None, None]
+    h = xp.arange(heads, dtype=np.uint32)[None, :, None, None]
+    i = xp.arange(seqlen_q, dtype=np.uint32)[None, None, :, None]
+    j = xp.arange(seqlen_k, dtype=np.uint32)[None, None, None, :]
+    not8 = np.uint32(~8 & _U32)
+    words = philox4x32_10((j & not8, i & not8, h, b), (seed & _U32, seed >> 32), xp)
+    shape = (batch, heads, seqlen_q, seqlen_k)
+    which = xp.broadcast_to(((i >> np.uint32(3)) & np.uint32(1)) * 2 + ((j >> np.uint32(3)) & np.uint32(1)), shape)
+    u = xp.where(which == 0, words[0], xp.where(which == 1, words[1], xp.where(which == 2, words[2], words[3])))
+    return xp.broadcast_to(u, shape) >= np.uint32(threshold) if threshold else xp.ones(shape, dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Low-precision naive model: the error baseline for kernels
 # ----------------------------------------------------------------------------------------------------
 
@@ -685,15 +751,26 @@ def _naive_probabilities(q, k, dims: _Dims, options: dict, xp):
 
 
 def _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias=None,
-                   dtype=None, mask=None) -> dict:
+                   dtype=None, mask=None, dropout_p=0.0, dropout_mask=None) -> dict:
     _check_softcap(softcap)
+    _check_dropout(dropout_p, dropout_mask)
     return {"scale": scale, "causal": causal, "window": _check_window(window),
             "softcap": None if softcap is None else float(softcap), "alibi_slopes": alibi_slopes,
-            "segment_ids": segment_ids, "block_ids": block_ids, "bias": bias, "dtype": dtype, "mask": mask}
+            "segment_ids": segment_ids, "block_ids": block_ids, "bias": bias, "dtype": dtype, "mask": mask,
+            "dropout_p": dropout_p, "dropout_mask": dropout_mask}
+
+
+def _naive_keep_scale(options: dict, dims: _Dims, xp):
+    """Dropout's float32 multiplier keep / (1 - p), (B, H, Sq, Sk), or None."""
+    if options["dropout_mask"] is None:
+        return None
+    keep = _broadcast_operand("dropout_mask", xp.asarray(options["dropout_mask"]), dims, xp)
+    return keep.astype(np.float32) * np.float32(1.0 / (1.0 - options["dropout_p"]))
 
 
 def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, None), softcap=None,
-                  alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None, xp=None):
+                  alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None, dropout_p=0.0,
+                  dropout_mask=None, xp=None):
     """How a plain framework computes attention in ``dtype`` -> ``(out (B, Sq, H, Dv), lse (B, H, Sq))``.
 
     ``S = q @ k^T`` and the softmax run in float32; ``P`` is rounded to ``dtype`` before ``P @ V``
@@ -705,13 +782,18 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, Non
 
     Options as in :func:`attention_forward`: ``causal``, ``window``, ``softcap`` (``tanh`` in float32),
     ``alibi_slopes`` ((H,) or (B, H); the ALiBi term added in float32), ``segment_ids``,
-    ``block_ids``, ``bias`` (rounded to ``dtype``, added in float32), ``mask``.
+    ``block_ids``, ``bias`` (rounded to ``dtype``, added in float32), ``mask``, dropout (``dropout_p`` with
+    its ``dropout_mask``: ``P`` times keep / (1 - p) in float32 before the rounding).
     """
     xp = _array_module(xp)
-    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask,
+                             dropout_p, dropout_mask)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     with _quiet(xp):
         probs, lse, _ = _naive_probabilities(q, k, dims, options, xp)
+        keep_scale = _naive_keep_scale(options, dims, xp)
+        if keep_scale is not None:
+            probs = probs * keep_scale
         out = xp.matmul(round_to_dtype(probs, dtype, xp), v)
         out = round_to_dtype(out, dtype, xp)
     return out.transpose(0, 2, 1, 3), lse
@@ -719,17 +801,19 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, Non
 
 def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(None, None),
                    softcap=None, alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None,
-                   dlse=None, xp=None):
+                   dlse=None, dropout_p=0.0, dropout_mask=None, xp=None):
     """The naive model's backward -> ``{"dq", "dk", "dv"}`` (+ ``"dbias"``: the float32 dS summed to the
     bias's shape, rounded to ``dtype``), float32 arrays of ``dtype`` values.
 
     Float32 throughout, as a framework's autograd does: ``P`` is rounded to ``dtype`` before
     ``dV = P^T @ dO``; ``dS = P * (dP - rowsum(P * dP) + dlse)`` (times ``1 - tanh(raw / softcap)^2``
     with a softcap) is rounded to ``dtype`` before ``dQ = dS @ K`` and ``dK = dS^T @ Q``; results are
-    rounded to ``dtype``. Same options as :func:`naive_forward`.
+    rounded to ``dtype``. Same options as :func:`naive_forward`; with dropout ``dV = (P keep / (1 - p))^T @ dO``
+    and ``dP`` is scaled by keep / (1 - p) before the softmax backward.
     """
     xp = _array_module(xp)
-    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask)
+    options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask,
+                             dropout_p, dropout_mask)
     dims, q, k, v = _naive_inputs(q, k, v, dtype, xp)
     dout = round_to_dtype(dout, dtype, xp)
     _check_shape("dout", dout, (dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v),
@@ -748,8 +832,12 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(No
 
     with _quiet(xp):
         probs, _, raw = _naive_probabilities(q, k, dims, options, xp)
-        dv = xp.matmul(transposed(round_to_dtype(probs, dtype, xp)), dout)
+        keep_scale = _naive_keep_scale(options, dims, xp)
+        dropped = probs if keep_scale is None else probs * keep_scale
+        dv = xp.matmul(transposed(round_to_dtype(dropped, dtype, xp)), dout)
         dprobs = xp.matmul(dout, transposed(v))
+        if keep_scale is not None:
+            dprobs = dprobs * keep_scale
         dscores = dprobs - xp.sum(probs * dprobs, axis=-1, keepdims=True)
         if dlse is not None:
             dscores = dscores + dlse[..., None]

@@ -17,9 +17,9 @@ LOAD_ALIGNMENT_BYTES = 16
 #: Grid y (heads) and z (batch) are limited to 65535 blocks.
 MAX_GRID_YZ = 65535
 #: Score options the kernels implement (docs/api.md); see :func:`check_score_options`.
-SCORE_OPTIONS = ("window", "softcap", "alibi_slopes", "segment_ids", "block_ids", "bias", "mask")
+SCORE_OPTIONS = ("window", "softcap", "alibi_slopes", "segment_ids", "block_ids", "bias", "mask", "dropout_p", "seed")
 #: Options docs/api.md promises that are not implemented yet; passing one raises NotImplementedError.
-PLANNED_OPTIONS = ("dropout_p", "seed")
+PLANNED_OPTIONS = ()
 #: A window side of None (unbounded) travels to the kernels as this many keys.
 UNBOUNDED_WINDOW = 1 << 30
 
@@ -28,14 +28,8 @@ def reject_planned(options: dict) -> None:
     """Raise for an option docs/api.md specifies but this build does not implement yet (never ignore it),
     and for keyword arguments no entry point takes."""
     for name in PLANNED_OPTIONS:
-        value = options.get(name)
-        if value is None or (name == "dropout_p" and value == 0.0):
-            continue
-        raise NotImplementedError(
-            f"{name}= is not implemented in this version of cuflash yet (planned); today's kernels "
-            f"support scale, causal, window, softcap, bias, alibi_slopes, mask, segment_ids, block_ids, "
-            f"GQA/MQA, dlse and deterministic"
-        )
+        if options.get(name) is not None:
+            raise NotImplementedError(f"{name}= is not implemented in this version of cuflash yet (planned)")
     unknown = set(options) - set(PLANNED_OPTIONS) - set(SCORE_OPTIONS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -53,11 +47,14 @@ class ScoreOptions:
     bias: TensorDesc | None = None  # q's dtype, 4-D, each dim full or 1 (the head dim H, Hkv or 1)
     num_heads: int = 0  # H, for the bias's and the mask's head mapping
     mask: TensorDesc | None = None  # bool, 4-D, broadcast like bias
+    dropout_p: float = 0.0  # in [0, 1); > 0 runs the general mask's dropout variants
+    seed: int | None = None  # dropout's seed in [0, 2**64), or None when seed_array holds it
+    seed_array: TensorDesc | None = None  # the seed in device memory: 8 bytes (int64 / uint64, or 2 x 32 bits)
 
     @property
     def general_mask(self) -> bool:
         return (self.window != (None, None) or self.segment_ids is not None or self.block_ids is not None
-                or self.mask is not None)
+                or self.mask is not None or self.dropout_p > 0.0)
 
     @property
     def mask_heads(self) -> int:
@@ -109,6 +106,15 @@ class ScoreOptions:
                 for side, t in zip("qk", pair):
                     values[f"{side}_{prefix}_ids"] = t.ptr
                     values[f"{side}_{prefix}_batch_stride"] = t.strides[0]
+        if self.dropout_p > 0.0:
+            from .reference import dropout_threshold
+
+            values["dropout_threshold"] = dropout_threshold(self.dropout_p)
+            values["dropout_rp"] = 1.0 / (1.0 - self.dropout_p)
+            if self.seed_array is not None:
+                values["dropout_seed_ptr"] = self.seed_array.ptr
+            else:  # the 64 seed bits, as the int64 the field holds
+                values["dropout_seed"] = self.seed - (1 << 64) if self.seed >= (1 << 63) else self.seed
         return values
 
 
@@ -139,6 +145,43 @@ def _check_softcap(softcap) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"softcap must be a finite number > 0 (or None / 0 for none), got {value}")
     return value
+
+
+def _check_dropout(dropout_p, seed, describe, device: int) -> tuple:
+    """``(dropout_p, seed int or None, seed TensorDesc or None)``; the seed only matters when dropout_p > 0."""
+    if dropout_p is None:
+        return 0.0, None, None
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if p == 0.0:
+        return 0.0, None, None
+    if seed is None:
+        raise ValueError("seed= is required with dropout_p > 0: the backward regenerates the forward's dropout "
+                         "mask from it, so pass the same seed to both (an int in [0, 2**64), or an 8-byte array "
+                         "on the GPU)")
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        if not 0 <= int(seed) < (1 << 64):
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        return p, int(seed), None
+    if isinstance(seed, (bool, numbers.Number, str, bytes)):
+        raise TypeError(f"seed must be an int or an 8-byte array on the GPU, got {type(seed).__name__}")
+    t = describe(seed, "seed")
+    n = 1
+    for size in t.shape:
+        n *= size
+    if t.dtype not in ("int64", "uint64", "int32", "uint32") or n * t.itemsize != 8:
+        raise ValueError(f"seed as an array must hold 8 bytes: one int64 / uint64 or two int32 / uint32 (a JAX "
+                         f"key's data), got shape {tuple(t.shape)} dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"seed is on CUDA device {t.device} but q is on device {device}")
+    if n > 1 and t.strides[-1] != 1:
+        raise ValueError(f"seed must be contiguous, got strides {t.strides}")
+    if t.ptr % 8:
+        raise ValueError("seed's base pointer is not 8-byte aligned")
+    return p, None, t
 
 
 def _check_small_array(t: TensorDesc, shapes: tuple, dtype: str, device: int, expected: str) -> None:
@@ -189,7 +232,8 @@ def _check_bias(t: TensorDesc, shape: ProblemShape, dtype: str, device: int) -> 
 
 
 def check_score_options(shape: ProblemShape, options: dict, describe, device: int) -> tuple:
-    """Validate window / softcap / alibi_slopes / segment_ids / block_ids / bias / mask (``describe(x, name)``
+    """Validate window / softcap / alibi_slopes / segment_ids / block_ids / bias / mask / dropout_p and seed
+    (``describe(x, name)``
     turns an array into a TensorDesc). Returns ``(shape with general_mask / score_mod / mask_heads set,
     ScoreOptions)``."""
     b, h, sq, sk = shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k
@@ -219,9 +263,11 @@ def check_score_options(shape: ProblemShape, options: dict, describe, device: in
     if options.get("mask") is not None:
         mask = describe(options["mask"], "mask")
         _check_broadcast(mask, shape, "bool", device, "dtype bool (True = attend)")
-    opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"], bias, h, mask)
+    dropout_p, seed, seed_array = _check_dropout(options.get("dropout_p"), options.get("seed"), describe, device)
+    opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"], bias, h, mask, dropout_p,
+                        seed, seed_array)
     return dataclasses.replace(shape, general_mask=opts.general_mask, score_mod=opts.score_mod,
-                               mask_heads=opts.mask_heads, bool_mask=mask is not None), opts
+                               mask_heads=opts.mask_heads, bool_mask=mask is not None, dropout=dropout_p > 0.0), opts
 
 
 def _check_dtype(t: TensorDesc) -> None:

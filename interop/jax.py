@@ -24,6 +24,10 @@ traces a new function, like a ``static_argnames`` of ``jax.jit``. Options whose 
 ``mask``, ``segment_ids`` ...) are traced operands of the callbacks; ``bias`` gets its gradient from the
 core's ``dbias`` (``_GRADIENT_NAMES``), the others get none.
 
+Dropout (``dropout_p``, ``seed``): an int seed is static (a new value traces again); for a seed that changes
+every step pass it as an array, e.g. ``jax.random.key_data(key)`` (two uint32), a traced operand the kernels
+read on the device.
+
 ``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, and a cotangent flowing into it
 reaches the backward as ``dlse`` (what ring / context-parallel attention needs to merge partial results).
 

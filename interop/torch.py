@@ -96,9 +96,18 @@ def attention(q, k, v, *, return_lse: bool = False, **options):
         ``(heads,)`` or ``(batch, heads)`` float32, ``segment_ids`` / ``block_ids`` pairs
         ``(q_ids (batch, seq_q), k_ids (batch, seq_k))`` int32, which get no gradient.
 
+    Dropout: ``dropout_p`` with ``seed`` (an int in [0, 2**63)); without a seed, an eager call draws one from
+    torch's default CPU generator (so ``torch.manual_seed`` reproduces it) and the backward reuses it. Under
+    ``torch.compile`` or CUDA-graph capture pass the seed yourself (a captured seed is replayed as is).
+
     Returns:
       ``out (batch, seq_q, heads, head_dim_v)`` in q's dtype (contiguous), or ``(out, lse)``.
     """
+    if options.get("dropout_p") and options.get("seed") is None:
+        if not _eager(q):
+            raise ValueError("seed= is required with dropout_p > 0 under torch.compile (and for CUDA-graph "
+                             "capture): pass an int seed")
+        options = {**options, "seed": int(torch.randint(0, 2 ** 63 - 1, (1,)).item())}
     op_options = _op_options(options)
     if not _eager(q):
         out, lse = _FORWARD(q, k, v, *op_options)

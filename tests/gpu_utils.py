@@ -144,6 +144,7 @@ class Problem:
     blocks: str | None = None  # BLOCK_KINDS: how block_ids are drawn; None = off
     bias: str | None = None  # BIAS_KINDS: how the additive bias is drawn; None = off
     mask: str | None = None  # MASK_KINDS: how the bool mask is drawn; None = off
+    dropout: float | None = None  # dropout_p (the seed comes from the problem's id); None = off
 
     def __post_init__(self):
         for name, value, kinds in (("alibi", self.alibi, ALIBI_KINDS), ("bias", self.bias, BIAS_KINDS),
@@ -200,7 +201,14 @@ class Problem:
             parts.append(f"bias{self.bias}")
         if self.mask is not None:
             parts.append(f"mask{self.mask}")
+        if self.dropout is not None:
+            parts.append(f"drop{self.dropout:g}")
         return "-".join(parts)
+
+    @property
+    def dropout_seed(self) -> int:
+        """A 64-bit seed of the problem (both halves nonzero, so both Philox key words matter)."""
+        return (self.seed << 32) | (zlib.crc32(b"dropout" + self.id.encode()) | 1)
 
     def __str__(self) -> str:  # hypothesis and assertion messages print this
         return self.id
@@ -491,6 +499,19 @@ def option_kwargs(p: Problem, x: Inputs) -> dict:
     for name in ("alibi_slopes", "segment_ids", "block_ids", "bias", "mask"):
         if getattr(x, name) is not None:
             options[name] = getattr(x, name)
+    if p.dropout is not None:
+        options["dropout_p"], options["seed"] = p.dropout, p.dropout_seed
+    return options
+
+
+def reference_options(p: Problem, x: Inputs) -> dict:
+    """option_kwargs for cuflash.reference: the seed becomes the keep-mask the kernels draw from it."""
+    options = option_kwargs(p, x)
+    if p.dropout is not None:
+        from cuflash import reference
+
+        options["dropout_mask"] = reference.dropout_keep_mask(options.pop("seed"), p.dropout, p.B, p.H, p.Sq, p.Sk,
+                                                              xp=cupy)
     return options
 
 
@@ -589,7 +610,7 @@ class Expected:
 
         self._reference = reference
         self._p = p
-        self._options = option_kwargs(p, x)
+        self._options = reference_options(p, x)
         self._q, self._k, self._v = to_f64(x.q), to_f64(x.k), to_f64(x.v)
         self.out, self.lse = reference.attention_forward(
             self._q, self._k, self._v, scale=p.softmax_scale, causal=p.causal, xp=cupy,

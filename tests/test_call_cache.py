@@ -126,7 +126,7 @@ def test_cpu_arrays_and_bad_arguments_still_refused_after_caching(gpu):
         cuflash.attention_forward(q, k, v, stream="default")
     with pytest.raises(TypeError, match="scale must be a number"):
         cuflash.attention_forward(q, k, v, scale=[1.0])
-    with pytest.raises(NotImplementedError, match="dropout_p= is not implemented"):
+    with pytest.raises(ValueError, match="seed= is required with dropout_p > 0"):
         cuflash.attention_forward(q, k, v, dropout_p=0.1)
     with pytest.raises(TypeError, match="mask must have dtype bool"):
         cuflash.attention_forward(q, k, v, mask=gpu.array((2, 4, 33, 47), np.float32))

@@ -375,3 +375,31 @@ def test_varlen_grads_in_jit():
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert bool(jnp.isfinite(g.astype(jnp.float32)).all()), name
         assert _error(g, ref[name]) < TOLERANCE[jnp.bfloat16], name
+
+
+def test_dropout_seed_as_a_traced_array_in_jit():
+    """A seed that changes every step is an operand (a JAX key's data): jit does not retrace for a new seed,
+    and the results equal the core's with the same 64-bit seed."""
+    q, k, v, dout = _inputs(jnp.bfloat16, batch=2, seq_q=64, seq_k=96, seed=17)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, seed):
+        traces.append(1)
+
+        def loss(q, k, v):
+            out = cfj.attention(q, k, v, causal=True, dropout_p=0.2, seed=seed, deterministic=True)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    seeds = [jax.random.key_data(jax.random.key(s)) for s in (1, 2)]
+    (_, out1), grads1 = step(q, k, v, seeds[0])
+    (_, out2), _ = step(q, k, v, seeds[1])
+    assert len(traces) == 1, "a new seed array retraced the step"
+    assert not bool(jnp.array_equal(out1, out2))
+    words = np.asarray(seeds[0]).astype(np.uint64)
+    seed_int = int(words[0]) | (int(words[1]) << 32)
+    cq, ck, cv, cdo = (cupy.asarray(np.asarray(x.astype(jnp.float32))).astype(cupy.float32) for x in (q, k, v, dout))
+    out, lse = cuflash.attention_forward(cq, ck, cv, causal=True, dropout_p=0.2, seed=seed_int)
+    ref = reference.relative_error(_f64(out1), cupy.asnumpy(out).astype(np.float64))
+    assert ref < TOLERANCE[jnp.bfloat16]

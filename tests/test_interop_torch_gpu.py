@@ -380,3 +380,37 @@ def test_varlen_gets_gradients(compiled):
     for name, x in zip(("dq", "dk", "dv"), (q, k, v)):
         assert x.grad is not None and x.grad.shape == x.shape and bool(torch.isfinite(x.grad).all()), name
         assert _error(x.grad, ref[name]) < TOLERANCE[torch.bfloat16], name
+
+
+def test_dropout_through_autograd_reuses_the_forward_seed():
+    """dropout_p without a seed: the adapter draws one from torch's generator (torch.manual_seed reproduces
+    it) and the backward regenerates the same mask; with an explicit seed the gradients equal the core's."""
+    q, k, v, dout = _inputs(torch.bfloat16, batch=2, seq_q=70, seq_k=90, heads=4, kv_heads=2, head_dim=64, seed=31)
+
+    def grads_of(**options):
+        for x in (q, k, v):
+            x.grad = None
+        out = cft.attention(q, k, v, causal=True, deterministic=True, **options)
+        out.backward(dout)
+        return [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
+
+    torch.manual_seed(5)
+    first = grads_of(dropout_p=0.3)
+    torch.manual_seed(5)
+    again = grads_of(dropout_p=0.3)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    explicit = grads_of(dropout_p=0.3, seed=1234)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    out, lse = torch.empty_like(qd), qd.new_empty((2, 4, 70), dtype=torch.float32)
+    cuflash.attention_forward(qd, kd, vd, causal=True, dropout_p=0.3, seed=1234, out=out, lse=lse,
+                              stream=torch.cuda.current_stream().cuda_stream)
+    core = [torch.empty_like(x) for x in (qd, kd, vd)]
+    cuflash.attention_backward(dout, qd, kd, vd, out, lse, causal=True, deterministic=True, dropout_p=0.3, seed=1234,
+                               dq=core[0], dk=core[1], dv=core[2], stream=torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(explicit[0], out)
+    for got, want in zip(explicit[1:], core):
+        assert torch.equal(got, want)
+    compiled = torch.compile(lambda q, k, v: cft.attention(q, k, v, causal=True, dropout_p=0.3, seed=1234),
+                             fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, explicit[0])

@@ -118,14 +118,50 @@ def test_bad_buffers_raise_naming_the_argument(case, buffer, shape, dtype, rows_
         validation.check_buffer(buffer, shape, dtype, 0, rows_contiguous_only=rows_only)
 
 
-@pytest.mark.parametrize("option,value", [("seed", 3), ("dropout_p", 0.1)])
-def test_planned_options_are_refused_by_name_not_ignored(option, value):
-    with pytest.raises(NotImplementedError, match=f"{option}= is not implemented"):
-        validation.reject_planned({option: value})
+def test_unknown_options_are_refused_by_name():
+    with pytest.raises(TypeError, match="unexpected keyword argument.*dropout_rate"):
+        validation.reject_planned({"dropout_rate": 0.1})
+    validation.reject_planned({"window": (None, None), "dropout_p": 0.1, "seed": 3, "softcap": None, "bias": None})
 
 
-def test_neutral_values_of_planned_options_are_accepted():
-    validation.reject_planned({"window": (None, None), "dropout_p": 0.0, "softcap": None, "bias": None})
+@pytest.mark.parametrize("dropout_p,seed,error,match", [
+    (1.0, 3, ValueError, "dropout_p must be in \\[0, 1\\)"),
+    (-0.1, 3, ValueError, "dropout_p must be in"),
+    (True, 3, TypeError, "dropout_p must be a float"),
+    ("0.1", 3, TypeError, "dropout_p must be a float"),
+    (0.1, None, ValueError, "seed= is required with dropout_p > 0"),
+    (0.1, -1, ValueError, "seed must be in \\[0, 2\\*\\*64\\)"),
+    (0.1, 2 ** 64, ValueError, "seed must be in"),
+    (0.1, 1.5, TypeError, "seed must be an int or an 8-byte array"),
+])
+def test_bad_dropout_options_are_refused_by_name(dropout_p, seed, error, match):
+    shape = validation.check_qkv(*qkv(), causal=False)
+    with pytest.raises(error, match=match):
+        validation.check_score_options(shape, {"dropout_p": dropout_p, "seed": seed}, _describe_spec, 0)
+
+
+def test_seed_arrays_must_hold_eight_bytes_on_q_device():
+    shape = validation.check_qkv(*qkv(), causal=False)
+    _, opts = validation.check_score_options(shape, {"dropout_p": 0.5, "seed": ((2,), "uint32")}, _describe_spec, 0)
+    assert opts.params(False)["dropout_seed_ptr"] == 256 and opts.seed is None
+    with pytest.raises(ValueError, match="seed as an array must hold 8 bytes"):
+        validation.check_score_options(shape, {"dropout_p": 0.5, "seed": ((3,), "int32")}, _describe_spec, 0)
+    with pytest.raises(ValueError, match="seed is on CUDA device 1"):
+        validation.check_score_options(shape, {"dropout_p": 0.5, "seed": ((2,), "int32", None, 256, 1)},
+                                       _describe_spec, 0)
+
+
+def test_dropout_sets_the_dropout_kernels_and_their_fields():
+    shape = validation.check_qkv(*qkv(), causal=True)
+    shape, opts = validation.check_score_options(shape, {"dropout_p": 0.25, "seed": 2 ** 64 - 1}, _describe_spec, 0)
+    assert shape.dropout and shape.general_mask and shape.mask_kind == 4
+    fields = opts.params(True)
+    assert fields["dropout_threshold"] == 2 ** 30 and fields["dropout_rp"] == pytest.approx(4 / 3)
+    assert fields["dropout_seed"] == -1  # the 64 seed bits as the int64 field holds them
+    assert fields["window_right"] == 0  # causal runs as the general mask's runtime window
+    shape0, opts0 = validation.check_score_options(validation.check_qkv(*qkv(), causal=False),
+                                                   {"dropout_p": 0.0, "seed": None}, _describe_spec, 0)
+    assert not shape0.dropout and opts0.params(False) == {}
 
 
 # --- score options (window, softcap, alibi_slopes, segment_ids, block_ids) ------------------------------

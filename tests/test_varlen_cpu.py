@@ -92,8 +92,8 @@ def test_wrong_layouts_and_offsets_are_refused(gpu):
         cuflash.varlen_attention(q, gpu.array((70, 3, 64), BF16), gpu.array((70, 3, 64), BF16), cu_q, cu_k, 20, 20)
     with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 array"):
         cuflash.varlen_attention(q, k, v, None, cu_k, 20, 20)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        cuflash.varlen_attention(q, k, v, cu_q, cu_k, 20, 20, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        cuflash.varlen_attention(q, k, v, cu_q, cu_k, 20, 20, dropout_p=1.5, seed=1)
 
 
 # ------------------------------------------------------------------------------------------------

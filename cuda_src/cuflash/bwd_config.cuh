@@ -14,6 +14,7 @@
 #include "cuflash/mask.cuh"
 #include "cuflash/block.cuh"
 #include "cuflash/score_mod.cuh"
+#include "cuflash/dropout.cuh"
 
 namespace cuflash {
 
@@ -98,6 +99,7 @@ struct DkdvConfig {
     static constexpr bool kHasDs = kWarpsD > 1 || kAtomicDq;
 
     using Mask = MaskOf<kMask>;
+    using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Blocks = QueryBlocksOf<kMask, kBlockM, kBlockN>;
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
     static constexpr bool kBias = has_bias(kScoreMod_);
@@ -160,6 +162,7 @@ struct DqConfig {
     static_assert(kNPerWarp % 16 == 0 && kDPerWarp % 16 == 0, "bad dQ warp layout");
 
     using Mask = MaskOf<kMask>;
+    using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
 

@@ -51,10 +51,16 @@ __device__ __forceinline__ void dscores_transposed(float (&acc_dp)[kNT][4], cons
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         const float2 d = ld_shared_f32x2(s_dsum + nt * 8 * 4);
-        acc_dp[nt][0] = acc_p[nt][0] * (acc_dp[nt][0] - d.x);
-        acc_dp[nt][1] = acc_p[nt][1] * (acc_dp[nt][1] - d.y);
-        acc_dp[nt][2] = acc_p[nt][2] * (acc_dp[nt][2] - d.x);
-        acc_dp[nt][3] = acc_p[nt][3] * (acc_dp[nt][3] - d.y);
+        if constexpr (Cfg::Dropout::kEnabled) {  // acc_p carries dropout's marks (dropout.cuh)
+            const float rp = Cfg::Dropout::rp(params);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[nt][e] = dropout_dscore(acc_p[nt][e], acc_dp[nt][e], e & 1 ? d.y : d.x, rp);
+        } else {
+            acc_dp[nt][0] = acc_p[nt][0] * (acc_dp[nt][0] - d.x);
+            acc_dp[nt][1] = acc_p[nt][1] * (acc_dp[nt][1] - d.y);
+            acc_dp[nt][2] = acc_p[nt][2] * (acc_dp[nt][2] - d.x);
+            acc_dp[nt][3] = acc_p[nt][3] * (acc_dp[nt][3] - d.y);
+        }
     }
     mod.grad_transposed(acc_dp, aux, params, key_row, query_col, store_dbias);
 }
@@ -77,15 +83,19 @@ __device__ __forceinline__ void probs_rows(float (&acc)[1][kNT][4], float (&aux)
     transform(acc[0], [](float x) { return fast_exp2(x); });
 }
 
-// dS = P o (dP - D) in place of dP; dsum: D of the thread's two rows.
+// dS = P o (dP - D) in place of dP; dsum: D of the thread's two rows; rp: dropout's 1 / (1 - p) (acc_p
+// carries its marks in the dropout variants).
 template <typename Cfg, int kNT>
 __device__ __forceinline__ void dscores_rows(float (&acc_dp)[1][kNT][4], const float (&acc_p)[1][kNT][4],
                                              const float (&aux)[1][kNT][4], const typename Cfg::ScoreMod& mod,
-                                             const float (&dsum)[2]) {
+                                             const float (&dsum)[2], float rp = 1.f) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_p[0][nt][e] * (acc_dp[0][nt][e] - dsum[e >> 1]);
+        for (int e = 0; e < 4; ++e) {
+            acc_dp[0][nt][e] = Cfg::Dropout::kEnabled ? dropout_dscore(acc_p[0][nt][e], acc_dp[0][nt][e], dsum[e >> 1], rp)
+                                                      : acc_p[0][nt][e] * (acc_dp[0][nt][e] - dsum[e >> 1]);
+        }
     }
     mod.grad(acc_dp, aux);
 }

@@ -141,6 +141,10 @@ struct DkdvMainloop {
                     : BiasTileRef::none();
             probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g,
                                   r.t, s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
+            if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
+                const typename Cfg::Dropout dropout(params, b, step_head);
+                dropout.mark_transposed(acc_s, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
+            }
             Math::dprobs(acc_dp, smem, s_do, r);
             // dbias from the shared dS^T tile (coalesced) where the step stages one and it is dS itself.
             const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && params.dbias != nullptr && params.softcap == 0.f &&
@@ -148,7 +152,8 @@ struct DkdvMainloop {
             dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum, params, key0 + r.key_row0 + r.g,
                                     query0 + r.q_col0 + 2 * r.t, !dbias_tile);
 
-            // dV += P^T . dO, dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
+            // dV += P^T . dO (dropped probabilities as 0), dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
+            if constexpr (Cfg::Dropout::kEnabled) transform(acc_s, [](float x) { return fmaxf(x, 0.f); });
             float* dq_rows =
                 Cfg::kAtomicDq ? SeqInfo::query_side(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim)
                                : nullptr;

@@ -53,6 +53,7 @@ struct DqMainloopSm80 {
         const unsigned s_q = smem + Cfg::kOffQ, s_do = smem + Cfg::kOffDo, s_ds = smem + Cfg::kOffDs;
         const SeqInfo seq(params, b, h);
         const typename Cfg::ScoreMod mod(params, b, h, seq.causal_offset());
+        const typename Cfg::Dropout dropout(params, b, h);
 
         // lse and D of the thread's two rows; rows past Sq get P = 0 through lse = +inf.
         float lse2[2], dsum[2];
@@ -99,10 +100,11 @@ struct DqMainloopSm80 {
                                                    cursor_b<TileK>(s_k, key_col0, 0, lane));
             probs_rows<Cfg>(acc_s, aux, mod, mask, blocks.masked(j), query0, key0, query0 + row0, key0 + key_col0, lse2,
                             scale_log2);
+            dropout.mark_rows(acc_s, query0 + row0, key0 + key_col0);
             clear(acc_dp[0]);
             gemm_abt<Elem, Cfg::kHeadDim, kNTiles>(acc_dp[0], cursor_a<TileQ>(s_do, row0, 0, lane),
                                                    cursor_b<TileK>(s_v, key_col0, 0, lane));
-            dscores_rows<Cfg>(acc_dp, acc_s, aux, mod, dsum);
+            dscores_rows<Cfg>(acc_dp, acc_s, aux, mod, dsum, Cfg::Dropout::rp(params));
 
             // dQ += dS . K (K read with .trans at the warp's interleaved head-dim columns).
             const SmemCursor<TileK> k_cols = cursor_a<TileK>(s_k, 0, 2 * d_split, lane);

@@ -24,6 +24,7 @@
 #include "cuflash/block.cuh"
 #include "cuflash/score_mod.cuh"
 #include "cuflash/softmax.cuh"
+#include "cuflash/dropout.cuh"
 
 namespace cuflash {
 
@@ -43,6 +44,7 @@ struct FwdConfig {
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
     static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
     using Mask = MaskOf<kMask>;
+    using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
     static constexpr bool kBias = has_bias(kScoreMod_);
@@ -129,12 +131,14 @@ struct FwdWork {
     const typename Cfg::Blocks& blocks;
     const typename Cfg::Mask& mask;
     const typename Cfg::ScoreMod mod;
+    const typename Cfg::Dropout dropout;
     unsigned smem_q;
     int row_begin, warp_row0;
 
     __device__ __forceinline__ FwdWork(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& b,
                                        const typename Cfg::Mask& m, unsigned smem, int row_begin_, int warp_row0_)
-        : loads(p, seq, b, smem, row_begin_), blocks(b), mask(m), mod(p, seq.b, seq.h, seq.causal_offset()), smem_q(smem), row_begin(row_begin_),
+        : loads(p, seq, b, smem, row_begin_), blocks(b), mask(m), mod(p, seq.b, seq.h, seq.causal_offset()),
+          dropout(p, seq.b, seq.h), smem_q(smem), row_begin(row_begin_),
           warp_row0(warp_row0_) {}
 
     // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where
@@ -157,6 +161,12 @@ struct FwdWork {
             maybe_hidden = mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN);
         }
         if (maybe_hidden) mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+    }
+
+    // After the softmax's exponentials (the row sums hold every probability): dropout's zeros, key block n.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void drop(float (&acc_s)[kMTiles][kNTiles][4], int n) const {
+        dropout.drop_rows(acc_s, row_begin + warp_row0, n * Cfg::kBlockN);
     }
 };
 
@@ -255,6 +265,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
             this->loads.load_k(j + kStages);               // into the K slot Q.K_j^T just released
 
             softmax.update(acc_s, acc_o, scale_log2);
+            this->drop(acc_s, n);
             gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot, lanes);
         }
         sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit

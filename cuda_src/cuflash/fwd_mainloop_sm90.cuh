@@ -115,6 +115,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             sm90::fence_operand(acc_s[0]);
             this->modify_and_mask(acc_s, 0, this->blocks.block(0));
             softmax.update(acc_s, acc_o, scale_log2);
+            this->drop(acc_s, this->blocks.block(0));
             pack_a<Elem>(p_frag, acc_s[0]);
         }
         for (int j = 1; j < this->blocks.count(); ++j) {
@@ -133,6 +134,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             float ratio[kMTiles][2];
             softmax.max_step(acc_s, ratio, scale_log2);
             softmax.exp_step(acc_s, scale_log2);
+            this->drop(acc_s, this->blocks.block(j));
             keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, this->smem_q);  // sums of all p
             sm90::wait<0>();
             sm90::fence_operand(acc_o[0]);

@@ -10,7 +10,9 @@
 //                     to visit and whether each needs the per-element test come from per-block lists a
 //                     pre-pass builds (block_lists.cu), so tiles no pair of which is visible are never loaded;
 //   kGeneralBoolMask  GeneralMaskOf<true>: the same plus a bool mask (params.mask), read per element on the
-//                     tiles the lists call partial.
+//                     tiles the lists call partial;
+//   kGeneralDropoutMask, kGeneralBoolDropoutMask: the two general kinds with dropout on the probabilities
+//                     (cuflash/dropout.cuh picks DropoutOf<mask_has_dropout(kMask)>; the mask itself is the same).
 // Every policy has visible(row, col) and the two apply forms (MaskTiles), and
 // needs_mask(row0, rows, col0, cols): whether a tile may hold an invisible pair, refined by the block
 // lists' partial flag where a policy has lists (the callers ask the lists for the general mask and
@@ -24,8 +26,19 @@
 
 namespace cuflash {
 
-enum MaskKind : int { kNoMask = 0, kCausalMask = 1, kGeneralMask = 2, kGeneralBoolMask = 3 };
+enum MaskKind : int {
+    kNoMask = 0,
+    kCausalMask = 1,
+    kGeneralMask = 2,
+    kGeneralBoolMask = 3,
+    kGeneralDropoutMask = 4,
+    kGeneralBoolDropoutMask = 5,
+};
 __host__ __device__ constexpr bool is_general_mask(int kind) { return kind >= kGeneralMask; }
+__host__ __device__ constexpr bool mask_has_bool(int kind) {
+    return kind == kGeneralBoolMask || kind == kGeneralBoolDropoutMask;
+}
+__host__ __device__ constexpr bool mask_has_dropout(int kind) { return kind >= kGeneralDropoutMask; }
 
 // The apply forms every policy shares, written against its visible(row, col).
 template <typename Policy>
@@ -229,6 +242,6 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
 using GeneralMask = GeneralMaskOf<false>;
 
 template <int kMask>
-using MaskOf = conditional_t<is_general_mask(kMask), GeneralMaskOf<kMask == kGeneralBoolMask>, AttnMask<kMask == kCausalMask>>;
+using MaskOf = conditional_t<is_general_mask(kMask), GeneralMaskOf<mask_has_bool(kMask)>, AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash

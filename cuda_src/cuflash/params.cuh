@@ -60,6 +60,8 @@ struct AttnParams {
     // longest lengths (the grid's). cuflash/seqlen.cuh turns them into each sequence's rows.
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
+    // Dropout's seed in device memory (a framework's traced / captured seed), or null: then dropout_seed.
+    const unsigned long long* dropout_seed_ptr;
 
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -107,6 +109,11 @@ struct AttnParams {
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2
     float softcap;      // > 0: s = softcap * tanh(s / softcap) (score-modifier variants); 0 = off
+    // Dropout (the mask kinds with dropout, cuflash/dropout.cuh): keep (b, h, i, j) iff its uniform >= threshold;
+    // kept probabilities scaled by rp = 1 / (1 - dropout_p); the Philox key is the seed (its 64 bits).
+    unsigned dropout_threshold;
+    float dropout_rp;
+    long long dropout_seed;
 };
 
 #ifdef CUFLASH_PARAMS_BYTES

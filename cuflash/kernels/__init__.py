@@ -24,14 +24,20 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 #: Multiprocessors assumed by plans made without a device (CPU tests, ``compile``): an H100 SXM's.
 DEFAULT_SMS = 132
 #: The kernels' kMask template argument (``MaskKind`` in cuda_src/cuflash/mask.cuh).
-#: MASK_GENERAL_BOOL is the general mask with a bool mask too (its own variants: the mask term costs registers).
-MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL = 0, 1, 2, 3
-MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL)
+#: MASK_GENERAL_BOOL is the general mask with a bool mask too (its own variants: the mask term costs registers);
+#: the *_DROPOUT kinds add dropout on the probabilities (cuda_src/cuflash/dropout.cuh): a call with dropout runs the
+#: general mask (its causal / window at run time), so the plain and causal kernels carry no dropout code.
+MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL, MASK_GENERAL_DROPOUT, MASK_GENERAL_BOOL_DROPOUT = range(6)
+MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_GENERAL, MASK_GENERAL_BOOL, MASK_GENERAL_DROPOUT, MASK_GENERAL_BOOL_DROPOUT)
 
 
 def is_general(mask_kind: int) -> bool:
     """Whether a kMask runs the general mask (block lists from the pre-pass)."""
     return mask_kind >= MASK_GENERAL
+
+
+def has_dropout(mask_kind: int) -> bool:
+    return mask_kind >= MASK_GENERAL_DROPOUT
 #: The kernels' kScoreMod template argument (``ScoreModKind`` in cuda_src/cuflash/score_mod.cuh): none,
 #: softcap / ALiBi, an additive bias (and its gradient) with ALiBi, or a bias with softcap and ALiBi. A bias
 #: without a softcap keeps no softcap factor per score, which its kernels' registers need.
@@ -73,6 +79,8 @@ class ProblemShape:
     mask_heads: int = 1
     #: a bool mask given (the general mask's MASK_GENERAL_BOOL variants)
     bool_mask: bool = False
+    #: dropout_p > 0 (the general mask's *_DROPOUT variants)
+    dropout: bool = False
     #: packed variable-length sequences (cu_seqlens): ``batch`` sequences, ``seqlen_q`` / ``seqlen_k`` the
     #: longest lengths (the grid's), ``total_q`` / ``total_k`` the packed rows. The kernels are the batched
     #: ones: the layout is a run-time property of the parameter block (cuda_src/cuflash/seqlen.cuh).
@@ -109,7 +117,9 @@ class ProblemShape:
 
     @property
     def mask_kind(self) -> int:
-        """The kernels' kMask: MASK_GENERAL_BOOL, MASK_GENERAL, MASK_CAUSAL or MASK_NONE."""
+        """The kernels' kMask: one of MASK_KINDS."""
+        if self.dropout:
+            return MASK_GENERAL_BOOL_DROPOUT if self.bool_mask else MASK_GENERAL_DROPOUT
         if self.bool_mask:
             return MASK_GENERAL_BOOL
         if self.general_mask:

@@ -47,7 +47,7 @@ class DkdvConfig:
     block_m: int  # queries per step (streamed)
     block_n: int  # keys per CTA (resident)
     num_warps: int
-    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
     wgmma: bool  # the sm_90a warpgroup path instead of mma.sync

@@ -54,7 +54,7 @@ class FwdConfig:
     block_n: int  # keys per mainloop step
     num_warps: int
     stages: int  # K / V shared-memory buffers each
-    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     wgmma: bool  # the sm_90a warpgroup mainloop instead of mma.sync
 

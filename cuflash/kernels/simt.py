@@ -44,7 +44,7 @@ class SimtConfig:
     head_dim: int  # the head-dim bucket
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile
-    mask: int  # MASK_NONE, MASK_CAUSAL, MASK_GENERAL or MASK_GENERAL_BOOL
+    mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
 
 
