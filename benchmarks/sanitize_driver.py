@@ -44,7 +44,8 @@ class Case:
     deterministic: bool
     dlse: bool
     options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads,
-    #                    varlen (B packed sequences of random lengths <= Sq / Sk, uncovered rows after them)
+    #                    varlen (B packed sequences of random lengths <= Sq / Sk, uncovered rows after them),
+    #                    dropout (dropout_p 0.3 with a fixed seed)
 
     def __str__(self) -> str:
         return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
@@ -79,6 +80,9 @@ def cases(quick: bool = False) -> list:
                  True, False, True, "varlen"),
             Case("varlen: ragged + window, MQA, deterministic", dtype, 5, 300, 260, 4, 1, 128, 128, True, True, False,
                  "varlen+window"),
+            Case("dropout, causal, GQA, odd sizes", dtype, 2, 77, 99, 4, 2, 64, 64, True, False, True, "dropout"),
+            Case("dropout + bool mask + full bias, D 128, deterministic", dtype, 1, 130, 150, 2, 1, 128, 128, False, True,
+                 False, "dropout+mask+bias"),
         ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
@@ -145,6 +149,8 @@ def _options(case: Case, rng) -> dict:
             opts["mask"] = cupy.asarray(rng.random(shape) < 0.6)
         elif name == "varlen":
             pass  # run_varlen_case
+        elif name == "dropout":
+            opts["dropout_p"], opts["seed"] = 0.3, 0x5EED_0000_1234_ABCD
         else:
             raise ValueError(f"unknown option {name!r} in case {case}")
     return opts
@@ -228,7 +234,8 @@ def kernel_names(case_list, arch: int) -> list:
                                                                    "maskheads"}),
                                      score_mod=mod, mask_heads=c.Hkv if "maskheads" in names_in else 1,
                                      bool_mask=bool(names_in & {"mask", "maskheads"}),
-                                     packed="varlen" in names_in, total_q=c.B * c.Sq, total_k=c.B * c.Sk)
+                                     packed="varlen" in names_in, total_q=c.B * c.Sq, total_k=c.B * c.Sk,
+                                     dropout="dropout" in names_in)
         for plan in (kernels.plan_forward(shape, arch), kernels.plan_backward(shape, arch, c.deterministic)):
             for launch in plan.launches:
                 names.add(launch.variant.name)
