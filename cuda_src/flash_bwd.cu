@@ -109,7 +109,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
     const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
-    const SeqInfo seq(params, b, group * heads);
+    const SeqInfo seq(params, b, group * heads, LayoutOf<kMask>());
     if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence (the grid covers the longest)
     const typename Cfg::Mask mask(params, seq);  // one head per block under the general mask
     const typename Cfg::Blocks blocks(mask, n_block);
@@ -137,7 +137,7 @@ flash_bwd_dq_kernel(const AttnParams params) {
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo seq(params, b, h);
+    const SeqInfo seq(params, b, h, LayoutOf<kMask>());
     if (m_block * kBlockM >= seq.seqlen_q) return;  // past a shorter packed sequence
     const typename Cfg::Mask mask(params, seq);
     const typename Mainloop::Blocks blocks(mask, m_block);

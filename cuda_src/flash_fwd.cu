@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     Mainloop::check_smem(smem_q);
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // masks: longest first
-    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // past a shorter packed sequence (the grid covers the longest)
     const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block

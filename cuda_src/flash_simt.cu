@@ -326,7 +326,7 @@ struct BwdMainloop {
     // causal spilled on sm_80). The dQ kernel keeps the hoisted one: a rebuilt K / V pointer would redo
     // the h / h_per_kv division every step.
     __device__ __forceinline__ SeqInfo streamed_seq() const {
-        if constexpr (kKeyRows) return SeqInfo::query_side(params, opaque(seq.b), opaque(seq.h));
+        if constexpr (kKeyRows) return SeqInfo::query_side<LayoutOf<Cfg::kMask>::value>(params, opaque(seq.b), opaque(seq.h));
         else return seq;
     }
 
@@ -455,7 +455,7 @@ flash_fwd_simt_kernel(const AttnParams params) {
 
     // Masks: the last query blocks see the most keys; start them first.
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
     const Loads<Cfg> loads{params, seq};
     const TilePos<false> at = this_thread<false>();
     const int row0 = m_block * kBlockM;
@@ -558,7 +558,7 @@ flash_bwd_dkdv_simt_kernel(const AttnParams params) {
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
     const int n_block = blockIdx.x;
-    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
     if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence
     typename Mainloop::Acc acc;  // dK (unscaled), dV
     const Mainloop mainloop(params, seq, n_block);
@@ -609,7 +609,7 @@ flash_bwd_dq_simt_kernel(const AttnParams params) {
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::Smem::kSmemBytes);
 
     const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const SeqInfo seq(params, blockIdx.z, blockIdx.y);
+    const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
     if (m_block * kBlockM >= seq.seqlen_q) return;  // past a shorter packed sequence
     typename Mainloop::Acc acc;  // dQ (unscaled)
     const Mainloop mainloop(params, seq, m_block);

@@ -50,11 +50,12 @@ class ScoreOptions:
     dropout_p: float = 0.0  # in [0, 1); > 0 runs the general mask's dropout variants
     seed: int | None = None  # dropout's seed in [0, 2**64), or None when seed_array holds it
     seed_array: TensorDesc | None = None  # the seed in device memory: 8 bytes (int64 / uint64, or 2 x 32 bits)
+    packed: bool = False  # packed sequences: only the general mask's kernels serve them
 
     @property
     def general_mask(self) -> bool:
         return (self.window != (None, None) or self.segment_ids is not None or self.block_ids is not None
-                or self.mask is not None or self.dropout_p > 0.0)
+                or self.mask is not None or self.dropout_p > 0.0 or self.packed)
 
     @property
     def mask_heads(self) -> int:
@@ -265,7 +266,7 @@ def check_score_options(shape: ProblemShape, options: dict, describe, device: in
         _check_broadcast(mask, shape, "bool", device, "dtype bool (True = attend)")
     dropout_p, seed, seed_array = _check_dropout(options.get("dropout_p"), options.get("seed"), describe, device)
     opts = ScoreOptions(window, softcap, alibi, pairs["segment_ids"], pairs["block_ids"], bias, h, mask, dropout_p,
-                        seed, seed_array)
+                        seed, seed_array, shape.packed)
     return dataclasses.replace(shape, general_mask=opts.general_mask, score_mod=opts.score_mod,
                                mask_heads=opts.mask_heads, bool_mask=mask is not None, dropout=dropout_p > 0.0), opts
 

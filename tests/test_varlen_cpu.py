@@ -104,9 +104,10 @@ def test_packed_forward_addresses_packed_rows(gpu):
     q, k, v, cu_q, cu_k = packed(gpu, tq=50, tk=70, h=4, hk=2, d=64)
     out, lse = cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 30, 41, causal=True)
     assert out.shape == (50, 4, 64) and lse.shape == (4, 50)
-    (fwd, tails) = gpu.launches
+    (lists, fwd, tails) = gpu.launches  # packed calls run the general mask: its block lists first
     p = record(fwd[5])
     assert fwd[1] == (1, 4, 3)  # ceil(30 / 128) query blocks of the longest sequence, H, B
+    assert lists[1] == (1, 1, 3) and p["window_right"] == 0 and p["window_left"] == 1 << 30  # causal at run time
     assert tails[1] == (kernels.varlen_tails.GRID, 1, 1)
     assert record(tails[5]).tobytes() == p.tobytes()  # the same block: the tails kernel reads the offsets too
     assert (p["seqlen_q"], p["seqlen_k"], p["batch"], p["total_q"], p["total_k"]) == (30, 41, 3, 50, 70)

@@ -76,6 +76,7 @@ struct DkdvMainloop {
     using TileQ = typename Cfg::TileQ;
     static constexpr int kSmemBytes = Cfg::kSmemBytes;
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
+    static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
 
     static __device__ __forceinline__ void check_smem(unsigned smem) {
         check_bwd_smem<Cfg::kSmemBytes, Math::kSmemAlign>(smem);
@@ -98,7 +99,7 @@ struct DkdvMainloop {
         const int first = Cfg::kAtomicDq && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
         const int num_steps = heads * num_m_blocks;
         if (num_m_blocks > 0) {
-            const SeqInfo seq(params, b, h0);
+            const SeqInfo seq(params, b, h0, LayoutOf<Cfg::kMask>());
             Loads::load_kv(params, seq, smem, key0, tid);
             Loads::load_queries(params, seq, smem, blocks.block(first), 0, tid, key0);
             sm80::cp_async_commit();
@@ -121,7 +122,7 @@ struct DkdvMainloop {
             Math::fence_loaded();
             __syncthreads();
             if (step + 1 < num_steps) {
-                Loads::load_queries(params, SeqInfo::query_side(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
+                Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(h)), smem, blocks.block(i), stage ^ 1,
                                     opaque(tid), key0);
                 sm80::cp_async_commit();
             }
@@ -155,7 +156,7 @@ struct DkdvMainloop {
             // dV += P^T . dO (dropped probabilities as 0), dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             if constexpr (Cfg::Dropout::kEnabled) transform(acc_s, [](float x) { return fmaxf(x, 0.f); });
             float* dq_rows =
-                Cfg::kAtomicDq ? SeqInfo::query_side(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim)
+                Cfg::kAtomicDq ? SeqInfo::query_side<kPacked>(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim)
                                : nullptr;
             Math::accumulate(acc_dv, acc_dk, acc_s, acc_dp, smem, s_q, s_do, r, dq_rows, seqlen_q - query0,
                              params.head_dim);

@@ -51,7 +51,7 @@ struct DqMainloopSm80 {
         const int d_split = warp / Cfg::kWarpsM;
         const int key_col0 = d_split * Cfg::kNPerWarp;          // the warp's keys of S within the key block
         const unsigned s_q = smem + Cfg::kOffQ, s_do = smem + Cfg::kOffDo, s_ds = smem + Cfg::kOffDs;
-        const SeqInfo seq(params, b, h);
+        const SeqInfo seq(params, b, h, LayoutOf<Cfg::kMask>());
         const typename Cfg::ScoreMod mod(params, b, h, seq.causal_offset());
         const typename Cfg::Dropout dropout(params, b, h);
 
@@ -86,7 +86,7 @@ struct DqMainloopSm80 {
             sm80::cp_async_wait<0>();
             __syncthreads();
             if (j + 1 < num_blocks) {
-                load_keys(params, SeqInfo::key_side(params, opaque(b), opaque(h)), smem, blocks.block(j + 1), stage ^ 1,
+                load_keys(params, SeqInfo::key_side<LayoutOf<Cfg::kMask>::value>(params, opaque(b), opaque(h)), smem, blocks.block(j + 1), stage ^ 1,
                           opaque(tid));
                 sm80::cp_async_commit();
             }

@@ -54,7 +54,7 @@ struct DkdvEpilogue {
                                                  int n_block, const float (&acc_dk)[kDTiles][4],
                                                  const float (&acc_dv)[kDTiles][4]) {
         const DkdvRole<Cfg> r(opaque(threadIdx.x));
-        const SeqInfo seq(params, b, opaque(group) * heads);
+        const SeqInfo seq(params, b, opaque(group) * heads, LayoutOf<Cfg::kMask>());
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
             store_rows(DirectStore<typename Cfg::Elem>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);

@@ -241,6 +241,10 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
 
 using GeneralMask = GeneralMaskOf<false>;
 
+// The layouts a mask kind's kernels serve (seqlen.cuh): packed sequences run the general kinds.
+template <int kMask>
+using LayoutOf = LayoutTag<is_general_mask(kMask)>;
+
 template <int kMask>
 using MaskOf = conditional_t<is_general_mask(kMask), GeneralMaskOf<mask_has_bool(kMask)>, AttnMask<kMask == kCausalMask>>;
 

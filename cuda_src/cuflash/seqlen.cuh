@@ -23,6 +23,18 @@
 
 namespace cuflash {
 
+// The layouts a kernel serves. A kernel built for the batched layout alone (LayoutTag<false>: the plain and
+// causal mask kinds) takes its lengths and batch indices from the parameter block, constants the compiler
+// re-reads where used; a packed-capable one (LayoutTag<true>: the general mask kinds, which packed calls run,
+// and the small kernels every call shares) reads the offsets at run time. So packed sequences cost the
+// batched-only kernels nothing (held in registers across their loops, the per-sequence lengths slowed the
+// dK/dV kernel by 5% and spilled in some variants).
+template <bool kPacked>
+struct LayoutTag {
+    static constexpr bool value = kPacked;
+};
+using AnyLayout = LayoutTag<true>;
+
 struct SeqInfo {
     int b;         // batch (sequence) index
     int h;         // query head
@@ -31,8 +43,11 @@ struct SeqInfo {
     int seqlen_q;  // rows of q / o / dout / dq / lse of this sequence
     int seqlen_k;  // rows of k / v / dk / dv of this sequence
 
-    __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_) : b(b_), h(h_), h_kv(h_ / p.h_per_kv) {
-        if (p.cu_seqlens_q == nullptr) {
+    __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_) : SeqInfo(p, b_, h_, AnyLayout()) {}
+    template <bool kPacked>
+    __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_, LayoutTag<kPacked>)
+        : b(b_), h(h_), h_kv(h_ / p.h_per_kv) {
+        if (!kPacked || p.cu_seqlens_q == nullptr) {
             bq = bk = b_;
             seqlen_q = p.seqlen_q;
             seqlen_k = p.seqlen_k;
@@ -50,10 +65,11 @@ struct SeqInfo {
     // dkdv_mainloop.cuh): the query side (q / o / dout / dq / lse / dlse / softmax_d / dq_accum) or the key side
     // (k / v / dk / dv and their scratch). The other side's fields are 0, and its accessors must not be used;
     // the query side skips the h / h_per_kv division, each skips the other side's offsets.
+    template <bool kPacked = true>
     static __device__ __forceinline__ SeqInfo query_side(const AttnParams& p, int b_, int h_) {
         SeqInfo s;
         s.b = b_, s.h = h_, s.h_kv = 0, s.bk = 0, s.seqlen_k = 0;
-        if (p.cu_seqlens_q == nullptr) {
+        if (!kPacked || p.cu_seqlens_q == nullptr) {
             s.bq = b_, s.seqlen_q = p.seqlen_q;
         } else {
             const int2 q_span = span(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
@@ -61,10 +77,11 @@ struct SeqInfo {
         }
         return s;
     }
+    template <bool kPacked = true>
     static __device__ __forceinline__ SeqInfo key_side(const AttnParams& p, int b_, int h_) {
         SeqInfo s;
         s.b = b_, s.h = h_, s.h_kv = h_ / p.h_per_kv, s.bq = 0, s.seqlen_q = 0;
-        if (p.cu_seqlens_k == nullptr) {
+        if (!kPacked || p.cu_seqlens_k == nullptr) {
             s.bk = b_, s.seqlen_k = p.seqlen_k;
         } else {
             const int2 k_span = span(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);

@@ -122,7 +122,7 @@ class ProblemShape:
             return MASK_GENERAL_BOOL_DROPOUT if self.bool_mask else MASK_GENERAL_DROPOUT
         if self.bool_mask:
             return MASK_GENERAL_BOOL
-        if self.general_mask:
+        if self.general_mask or self.packed:  # packed sequences run the general kinds (cuda_src/cuflash/seqlen.cuh)
             return MASK_GENERAL
         return MASK_CAUSAL if self.causal else MASK_NONE
 
