@@ -483,7 +483,8 @@ def _contiguous_strides(shape) -> tuple:
 # ---------------------------------------------------------------------------------------------------------
 # Metadata-only entry points (shapes and dtypes: tracers, fake tensors, ...)
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "uint32": 4, "int64": 8,
+             "uint64": 8, "bool": 1, "int8": 1, "uint8": 1}
 
 
 def _meta_desc(x, name: str) -> TensorDesc:

@@ -364,3 +364,19 @@ def test_each_head_reads_its_mask_heads_block_lists(mask_shape, rows):
     params = launch.make_params(shape, 0.125, q, k, v, None, None, fields=tuple(opts.params(False).items()))[0]
     assert [h // int(params["mask_head_div"]) for h in range(4)] == rows
     assert max(rows) < int(params["mask_heads"]) == shape.mask_heads
+
+
+def test_metadata_seed_arrays_have_their_itemsize():
+    """A traced seed (a JAX key's two uint32) reaches the metadata-only planning as shape and dtype alone."""
+    from cuflash import api
+
+    class Meta:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+    q, k = Meta((2, 64, 4, 64), "float16"), Meta((2, 96, 2, 64), "float16")
+    for seed in (Meta((2,), "uint32"), Meta((1,), "int64"), Meta((), "uint64")):
+        shape = api._shape_from_meta(q, k, k, True, {"dropout_p": 0.2, "seed": seed})
+        assert shape.dropout and shape.mask_kind == 4
+    with pytest.raises(ValueError, match="8 bytes"):
+        api._shape_from_meta(q, k, k, True, {"dropout_p": 0.2, "seed": Meta((4,), "uint32")})
