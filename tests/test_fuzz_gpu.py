@@ -4,7 +4,7 @@ Each example draws B, Sq, Sk (1..600, mostly small), H and a dividing Hkv, D (a 
 256), Dv (usually D), dtype, causal, scale (mostly positive, sometimes zero or negative), layout (contiguous, (B,H,S,D) viewed as bshd, or padded
 rows), deterministic and an optional dlse; then, each with its own probability and freely combined,
 a sliding window, a softcap, ALiBi slopes, segment ids, block ids, an additive bias (its gradient checked
-too) and a bool mask (``OPTION_ODDS``). It holds
+too), a bool mask and dropout (``OPTION_ODDS``). It holds
 cuflash to the rule in gpu_utils' docstring, writing into NaN-poisoned buffers.
 
 - Short mode (default): 100 derandomized examples, the same ones every run (~10-20 s).
@@ -39,7 +39,7 @@ SHORT_EXAMPLES = 100
 
 _stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "by_option": collections.Counter(),
           "seconds": 0.0}
-_OPTIONS = ("window", "softcap", "alibi", "segments", "blocks", "bias", "mask")
+_OPTIONS = ("window", "softcap", "alibi", "segments", "blocks", "bias", "mask", "dropout")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -76,7 +76,7 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 
 #: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
 #: none, the short mode's 100 included; the session summary prints how many used each).
-OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5}
+OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5, "dropout": 5}
 #: Bias kinds by mode: deterministic=True takes only those with one element per score (a broadcast bias sums
 #: dbias with atomics and is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
 BIAS_ANY = ("full", "heads", "kv", "keys", "expanded", "neginf", "large")
@@ -126,6 +126,7 @@ def problems(draw):
         blocks=_maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS))),
         bias=_maybe(draw, "bias", st.sampled_from(BIAS_FULL_SHAPE if deterministic else BIAS_ANY)),
         mask=_maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS))),
+        dropout=_maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85))),
     )
 
 
