@@ -47,18 +47,9 @@ struct SeqInfo {
     template <bool kPacked>
     __device__ __forceinline__ SeqInfo(const AttnParams& p, int b_, int h_, LayoutTag<kPacked>)
         : b(b_), h(h_), h_kv(h_ / p.h_per_kv) {
-        if (!kPacked || p.cu_seqlens_q == nullptr) {
-            bq = bk = b_;
-            seqlen_q = p.seqlen_q;
-            seqlen_k = p.seqlen_k;
-        } else {
-            const int2 q_span = span(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
-            const int2 k_span = span(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
-            bq = q_span.x;
-            seqlen_q = q_span.y;
-            bk = k_span.x;
-            seqlen_k = k_span.y;
-        }
+        const int2 q_side = side<kPacked>(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
+        const int2 k_side = side<kPacked>(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
+        bq = q_side.x, seqlen_q = q_side.y, bk = k_side.x, seqlen_k = k_side.y;
     }
 
     // One side only, for loops that rebuild their pointers every step from opaque (b, h) (cuflash/
@@ -68,25 +59,15 @@ struct SeqInfo {
     template <bool kPacked = true>
     static __device__ __forceinline__ SeqInfo query_side(const AttnParams& p, int b_, int h_) {
         SeqInfo s;
-        s.b = b_, s.h = h_, s.h_kv = 0, s.bk = 0, s.seqlen_k = 0;
-        if (!kPacked || p.cu_seqlens_q == nullptr) {
-            s.bq = b_, s.seqlen_q = p.seqlen_q;
-        } else {
-            const int2 q_span = span(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
-            s.bq = q_span.x, s.seqlen_q = q_span.y;
-        }
+        const int2 q_side = side<kPacked>(p.cu_seqlens_q, b_, p.total_q, p.seqlen_q);
+        s.b = b_, s.h = h_, s.h_kv = 0, s.bq = q_side.x, s.seqlen_q = q_side.y, s.bk = 0, s.seqlen_k = 0;
         return s;
     }
     template <bool kPacked = true>
     static __device__ __forceinline__ SeqInfo key_side(const AttnParams& p, int b_, int h_) {
         SeqInfo s;
-        s.b = b_, s.h = h_, s.h_kv = h_ / p.h_per_kv, s.bq = 0, s.seqlen_q = 0;
-        if (!kPacked || p.cu_seqlens_k == nullptr) {
-            s.bk = b_, s.seqlen_k = p.seqlen_k;
-        } else {
-            const int2 k_span = span(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
-            s.bk = k_span.x, s.seqlen_k = k_span.y;
-        }
+        const int2 k_side = side<kPacked>(p.cu_seqlens_k, b_, p.total_k, p.seqlen_k);
+        s.b = b_, s.h = h_, s.h_kv = h_ / p.h_per_kv, s.bq = 0, s.seqlen_q = 0, s.bk = k_side.x, s.seqlen_k = k_side.y;
         return s;
     }
 
@@ -174,6 +155,12 @@ struct SeqInfo {
 
   private:
     __device__ __forceinline__ SeqInfo() {}
+
+    // One side's (batch index, length): (b, the grid's length) batched; from the offsets when packed.
+    template <bool kPacked>
+    static __device__ __forceinline__ int2 side(const int* cu, int b_, int total, int longest) {
+        return !kPacked || cu == nullptr ? make_int2(b_, longest) : span(cu, b_, total, longest);
+    }
 
     // Sequence b's (first packed row, length) from a cu_seqlens array, clamped into [0, total] and to the
     // grid's longest length.
