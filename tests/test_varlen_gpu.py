@@ -244,13 +244,15 @@ def test_varlen_matches_the_reference(case):
 
 @pytest.mark.parametrize("dtype,causal", [("bf16", True), ("fp16", False), ("fp32", True)])
 def test_equal_lengths_are_bit_identical_to_the_batched_call(dtype, causal):
-    """Packed sequences of one length run the batched kernels on the same rows: same bits."""
+    """Packed sequences of one length against the batched call on the same rows, both on the general mask's
+    kernels (packed calls run those; an unbounded window puts the batched call there too): same bits."""
     B, S, H, Hkv, D = 3, 200, 4, 2, 64
     rng = np.random.default_rng(11)
     dt = gu.DTYPES[dtype]
     q, k, v, dout = (gu.to_device(gu.host_normal(rng, (B, S, h, D)), dt) for h in (H, Hkv, Hkv, H))
-    out_b, lse_b = cuflash.attention_forward(q, k, v, causal=causal)
-    grads_b = cuflash.attention_backward(dout, q, k, v, out_b, lse_b, causal=causal, deterministic=True)
+    general = dict(causal=causal, window=(1 << 20, None))  # the same kernels as the packed call
+    out_b, lse_b = cuflash.attention_forward(q, k, v, **general)
+    grads_b = cuflash.attention_backward(dout, q, k, v, out_b, lse_b, deterministic=True, **general)
     cu = cupy.asarray(_cu([S] * B))
     flat = [x.reshape(B * S, *x.shape[2:]) for x in (q, k, v, dout)]
     out_v, lse_v = cuflash.varlen_attention_forward(*flat[:3], cu, cu, S, S, causal=causal)
@@ -276,7 +278,7 @@ def test_varlen_workspace_matches_the_call():
     x = make_packed(c, seed=9)
     cu = cupy.asarray(x.cu_q)
     out, lse = cuflash.varlen_attention_forward(x.q, x.k, x.v, cu, cu, 100, 100, causal=True)
-    shapes = cuflash.varlen_backward_workspace(x.q, x.k, x.v, cu, cu, 100, 100, causal=True)
+    shapes = cuflash.varlen_backward_workspace(x.q, x.k, x.v, cu, cu, 100, 100, causal=True, deterministic=True)
     workspace = {name: cupy.empty(shape, cupy.float32) for name, shape in shapes.items()}
     with_ws = cuflash.varlen_attention_backward(x.dout, x.q, x.k, x.v, out, lse, cu, cu, 100, 100, causal=True,
                                                 deterministic=True, workspace=workspace)
