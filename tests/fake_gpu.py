@@ -109,3 +109,12 @@ def pointers_of(block: bytes) -> dict:
     """The pointer fields of a parameter block, by name."""
     record = np.frombuffer(block, dtype=params_dtype())[0]
     return {name: int(record[name]) for name in launch.POINTER_FIELDS}
+
+
+def install_fresh(monkeypatch) -> FakeGPU:
+    """A FakeGPU installed for one test, with the core's call-plan caches emptied (the ``gpu`` fixtures)."""
+    from cuflash import api
+
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+    return FakeGPU().install(monkeypatch.setattr)

@@ -15,16 +15,14 @@ import cuflash  # noqa: E402
 from cuflash import api, launch, validation  # noqa: E402
 from cuflash.arrays import describe  # noqa: E402
 
-from fake_gpu import FakeGPU, pointers_of  # noqa: E402
+from fake_gpu import FakeGPU, install_fresh, pointers_of  # noqa: E402,F401
 
 BF16 = ml_dtypes.bfloat16
 
 
 @pytest.fixture
 def gpu(monkeypatch):
-    monkeypatch.setattr(api, "_forward_plans", {})
-    monkeypatch.setattr(api, "_backward_plans", {})
-    return FakeGPU().install(monkeypatch.setattr)
+    return install_fresh(monkeypatch)
 
 
 @pytest.fixture

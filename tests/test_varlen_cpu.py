@@ -16,16 +16,14 @@ import cuflash  # noqa: E402
 from cuflash import api, kernels, varlen  # noqa: E402
 from cuflash.params import params_dtype  # noqa: E402
 
-from fake_gpu import FakeGPU  # noqa: E402
+from fake_gpu import FakeGPU, install_fresh  # noqa: E402,F401
 
 BF16 = ml_dtypes.bfloat16
 
 
 @pytest.fixture
 def gpu(monkeypatch):
-    monkeypatch.setattr(api, "_forward_plans", {})
-    monkeypatch.setattr(api, "_backward_plans", {})
-    return FakeGPU().install(monkeypatch.setattr)
+    return install_fresh(monkeypatch)
 
 
 def packed(gpu, tq=50, tk=70, h=4, hk=2, d=64, dtype=BF16, batch=3):
