@@ -45,7 +45,9 @@ class Case:
     dlse: bool
     options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads,
     #                    varlen (B packed sequences of random lengths <= Sq / Sk, uncovered rows after them),
-    #                    dropout (dropout_p 0.3 with a fixed seed)
+    #                    dropout (dropout_p 0.3 with a fixed seed),
+    #                    kvcache (attention_with_kvcache: Sk = the cache's capacity, ragged lengths, Sq new tokens
+    #                    appended; + paged: pages of 13 rows; + split: num_splits 3; fp16 / bf16 only)
 
     def __str__(self) -> str:
         return (f"{self.dtype:8s} B{self.B} q{self.Sq} k{self.Sk} h{self.H}/{self.Hkv} D{self.D}/{self.Dv}"
@@ -84,6 +86,15 @@ def cases(quick: bool = False) -> list:
             Case("dropout + bool mask + full bias, D 128, deterministic", dtype, 1, 130, 150, 2, 1, 128, 128, False, True,
                  False, "dropout+mask+bias"),
         ]
+        if dtype != "float32":
+            per_dtype += [
+                Case("kvcache: decode, GQA 8, split, dense", dtype, 3, 1, 200, 16, 2, 128, 128, True, False, False,
+                     "kvcache+split"),
+                Case("kvcache: chunked prefill, paged (13 rows), window + ALiBi", dtype, 2, 37, 260, 4, 2, 64, 64,
+                     True, False, False, "kvcache+paged+window+alibi"),
+                Case("kvcache: decode, paged (13 rows), split, D 256 MQA", dtype, 2, 1, 520, 8, 1, 256, 256, False,
+                     False, False, "kvcache+paged+split"),
+            ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
 
@@ -147,8 +158,8 @@ def _options(case: Case, rng) -> dict:
         elif name in ("mask", "maskheads"):
             shape = (case.B, case.Hkv if name == "maskheads" else 1, case.Sq, case.Sk)
             opts["mask"] = cupy.asarray(rng.random(shape) < 0.6)
-        elif name == "varlen":
-            pass  # run_varlen_case
+        elif name in ("varlen", "kvcache", "paged", "split"):
+            pass  # run_varlen_case, run_kvcache_case
         elif name == "dropout":
             opts["dropout_p"], opts["seed"] = 0.3, 0x5EED_0000_1234_ABCD
         else:
@@ -182,6 +193,40 @@ def run_varlen_case(case: Case, seed: int) -> int:
     return _count_bad(out, lse, grads)
 
 
+def run_kvcache_case(case: Case, seed: int) -> int:
+    """attention_with_kvcache: a cache of Sk keys per sequence (dense, or pages of 13 rows in a shuffled table
+    with spare pages), ragged cache_seqlens on the GPU (0, full minus the new tokens, random), Sq new tokens
+    appended, causal as the case says; the caches are checked for NaN too (the append writes them)."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(seed)
+    dt = _dtype(case.dtype)
+    names = set(case.options.split("+"))
+    lengths = rng.integers(0, case.Sk - case.Sq + 1, case.B)
+    lengths[0], lengths[-1] = 0, case.Sk - case.Sq
+    q = _device_array(rng, (case.B, case.Sq, case.H, case.D), dt)
+    k_new = _device_array(rng, (case.B, case.Sq, case.Hkv, case.D), dt)
+    v_new = _device_array(rng, (case.B, case.Sq, case.Hkv, case.Dv), dt)
+    table = None
+    if "paged" in names:
+        page = 13
+        assert case.Sk % page == 0
+        pages = case.B * case.Sk // page + 2
+        table = cupy.asarray(rng.permutation(pages)[:pages - 2].reshape(case.B, -1).astype(np.int32))
+        k = _device_array(rng, (pages, page, case.Hkv, case.D), dt)
+        v = _device_array(rng, (pages, page, case.Hkv, case.Dv), dt)
+    else:
+        k = _device_array(rng, (case.B, case.Sk, case.Hkv, case.D), dt)
+        v = _device_array(rng, (case.B, case.Sk, case.Hkv, case.Dv), dt)
+    opts = {name: value for name, value in _options(case, rng).items() if name in ("window", "alibi_slopes", "softcap")}
+    out, lse = cuflash.attention_with_kvcache(q, k, v, cupy.asarray(lengths.astype(np.int32)), k_new, v_new,
+                                              block_table=table, num_splits=3 if "split" in names else 1,
+                                              causal=case.causal, return_lse=True, **opts)
+    return _count_bad(out, lse, (k, v))
+
+
 def _count_bad(out, lse, grads) -> int:
     import cupy
 
@@ -205,6 +250,8 @@ def run_case(case: Case, seed: int) -> int:
 
     if "varlen" in case.options.split("+"):
         return run_varlen_case(case, seed)
+    if "kvcache" in case.options.split("+"):
+        return run_kvcache_case(case, seed)
     rng = np.random.default_rng(seed)
     dt = _dtype(case.dtype)
     q = _device_array(rng, (case.B, case.Sq, case.H, case.D), dt)
@@ -226,6 +273,13 @@ def kernel_names(case_list, arch: int) -> list:
     names = set()
     for c in case_list:
         names_in = set(filter(None, c.options.split("+")))
+        if "kvcache" in names_in:
+            from cuflash.kernels import kvcache
+
+            plan = kvcache.plan(c.dtype, c.B, c.Sq, c.H, c.Hkv, kernels.head_dim_bucket(c.D), c.Dv,
+                                int("alibi" in names_in), c.Sk, True, 3 if "split" in names_in else 1, arch, 132)
+            names.update(launch.variant.name for launch in plan.launches)
+            continue
         bias = bool(names_in & {"bias", "biasheads"})
         mod = (kernels.MOD_BIAS_SOFTCAP if "softcap" in names_in else kernels.MOD_BIAS) if bias else int(
             bool(names_in & {"softcap", "alibi"}))

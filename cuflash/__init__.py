@@ -8,6 +8,7 @@ GPU call compiles (or loads from the disk cache) the kernels it launches.
     out, lse = cuflash.attention_forward(q, k, v)
     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse)
     out = cuflash.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k)   # packed sequences
+    out = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new)   # decoding
 
 Framework adapters: ``cuflash.interop.jax`` and ``cuflash.interop.torch``. The float64 oracle:
 ``cuflash.reference``.
@@ -17,10 +18,10 @@ from .api import (
     attention,
     attention_backward,
     attention_forward,
-    attention_with_kvcache,
     backward_workspace,
     prepare,
 )
+from .kvcache import attention_with_kvcache, kvcache_workspace, prepare_kvcache
 from .varlen import (
     varlen_attention,
     varlen_attention_backward,
@@ -43,5 +44,7 @@ __all__ = [
     "varlen_backward_workspace",
     "varlen_prepare",
     "attention_with_kvcache",
+    "kvcache_workspace",
+    "prepare_kvcache",
     "reference",
 ]

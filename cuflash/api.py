@@ -534,8 +534,3 @@ def load_kernels(shape: ProblemShape, backward: bool, deterministic: bool) -> No
     for plan in plans:
         for item in plan.launches:
             build.get_kernel(item.variant, device, cc)
-
-
-def attention_with_kvcache(q, k_cache, v_cache, **options):
-    """KV-cache decoding (paged, split-KV). Not implemented in this version yet."""
-    raise NotImplementedError("attention_with_kvcache is planned but not implemented in this version of cuflash")

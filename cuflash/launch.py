@@ -140,7 +140,8 @@ _SCRATCH_ALIGNMENT = 256
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
                   "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
                   "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask", "cu_seqlens_q",
-                  "cu_seqlens_k", "dropout_seed_ptr")
+                  "cu_seqlens_k", "dropout_seed_ptr", "cache_seqlens", "block_table", "k_new", "v_new", "o_accum",
+                  "lse_accum")
 #: How many of them a call without score options patches (the rest stay null).
 PLAIN_POINTERS = 14
 #: How many a cached call with score options patches; a call with a bias or a bool mask packs BIAS_MASK_POINTERS

@@ -53,6 +53,13 @@ Packed variable-length sequences (``cuflash.varlen_attention``), differentiable 
 
 with q ``(total_q, heads, head_dim)``, k / v ``(total_k, kv_heads, head_dim)``, the offsets int32
 ``(batch + 1,)`` arrays (traced operands) and the longest lengths static ints (they fix the grid).
+
+KV-cache decoding (``cuflash.attention_with_kvcache``), functional: the updated caches come back as results,
+aliased to the cache arguments (XLA writes them in place when the caller donates them, e.g.
+``jax.jit(step, donate_argnums=(1, 2))``; otherwise it copies the caches first):
+
+    out, k_cache, v_cache = cfj.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                       causal=True)
 """
 from __future__ import annotations
 
@@ -70,7 +77,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import cuflash
 from cuflash.interop import _cupy_stream
 
-__all__ = ["attention", "attention_sharded", "varlen_attention"]
+__all__ = ["attention", "attention_sharded", "attention_with_kvcache", "varlen_attention"]
 
 # Array options with a gradient, and the name of the core's backward output (and keyword) that holds it.
 _GRADIENT_NAMES = {"bias": "dbias"}
@@ -272,6 +279,67 @@ def _varlen_fn(static: tuple, lengths: tuple, return_lse: bool):
 
     varlen_vjp.defvjp(varlen_fwd, varlen_bwd, symbolic_zeros=True)
     return jax.jit(varlen_vjp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV cache: one buffer_callback whose results alias the caches (inputs 1 and 2 -> outputs 2 and 3), with the
+# split-KV buffers as extra outputs. No gradient (an inference op).
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None,
+                           num_splits=None, return_lse: bool = False, **options):
+    """Attention over a KV cache after appending ``k_new`` / ``v_new`` (``cuflash.attention_with_kvcache``).
+
+    Args:
+      q: ``(batch, seq_q, heads, head_dim)``; k_cache / v_cache: dense ``(batch, capacity, kv_heads, head_dim)``
+        or paged ``(num_pages, page_size, kv_heads, head_dim)`` with block_table ``(batch, max_pages)`` int32;
+        cache_seqlens: int32 ``(batch,)`` (or an int): tokens already cached; k_new / v_new:
+        ``(batch, seq_new, kv_heads, head_dim)`` or None. Arrays are traced operands.
+      num_splits: split-KV factor, static (None: a heuristic).
+      return_lse: also return ``lse (batch, heads, seq_q)`` float32.
+      **options: ``scale``, ``causal``, ``window``, ``softcap`` (static), ``alibi_slopes`` (an array).
+
+    Returns:
+      ``(out, k_cache, v_cache)`` or ``(out, lse, k_cache, v_cache)``: the caches with k_new / v_new written at
+      ``cache_seqlens[b]`` onwards (cache_seqlens itself is not advanced).
+    """
+    static, arrays = _split_options(options)
+    if not isinstance(cache_seqlens, jax.Array) and np.ndim(cache_seqlens) == 0:
+        cache_seqlens = jnp.full((q.shape[0],), int(cache_seqlens), dtype=jnp.int32)
+    out, lse, k_cache, v_cache = _kvcache_fn(static, num_splits)(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                                 block_table, arrays)
+    return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+@functools.lru_cache(maxsize=None)
+def _kvcache_fn(static: tuple, num_splits):
+    options = dict(static)
+    callback = functools.partial(_kvcache_callback, options, num_splits)
+
+    def kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, arrays):
+        cuflash.prepare_kvcache(q, k_cache, v_cache, block_table=block_table, k_new=k_new, num_splits=num_splits,
+                                **options, **arrays)
+        workspace = {name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+                     for name, shape in cuflash.kvcache_workspace(q, k_cache, v_cache, block_table=block_table,
+                                                                  num_splits=num_splits, **options,
+                                                                  **arrays).items()}
+        batch, seq_q, heads, _ = q.shape
+        result = (jax.ShapeDtypeStruct((batch, seq_q, heads, v_cache.shape[-1]), q.dtype),
+                  jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32), _like(k_cache), _like(v_cache), workspace)
+        args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, arrays)
+        # Flat operands: q 0, k_cache 1, v_cache 2; flat results: out 0, lse 1, k_cache 2, v_cache 3.
+        out, lse, k_out, v_out, _ = buffer_callback(callback, result, input_output_aliases={1: 2, 2: 3})(*args)
+        return _vary_like((out, lse, k_out, v_out), args)
+
+    return jax.jit(kvcache)
+
+
+def _kvcache_callback(options, num_splits, ctx, outputs, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                      block_table, arrays):
+    out, lse, k_out, v_out, workspace = outputs  # k_out / v_out alias k_cache / v_cache: append into them
+    _launch(cuflash.attention_with_kvcache, ctx, q, k_out, v_out, cache_seqlens, k_new, v_new,
+            block_table=block_table, num_splits=num_splits, out=out, lse=lse, workspace=workspace or None,
+            **options, **arrays)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -28,6 +28,11 @@ Packed variable-length sequences: ``varlen_attention(q, k, v, cu_seqlens_q, cu_s
 max_seqlen_k, causal=True)`` (ops ``cuflash::varlen_attention_fwd`` / ``_bwd``, the same structure) with q
 ``(total_q, heads, head_dim)``, k / v ``(total_k, kv_heads, head_dim)``, int32 CUDA offsets ``(batch + 1,)`` and
 the longest lengths as ints.
+
+KV-cache decoding: ``attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal=True)``
+(op ``cuflash::attention_with_kvcache``, which mutates k_cache / v_cache: the append) with the core's arguments;
+cache_seqlens and block_table are int32 CUDA tensors. No host synchronization and every buffer from torch's
+allocator, so a decoding step captures in a CUDA graph (run it once first, as above).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ import torch
 import cuflash
 from cuflash.interop import _cupy_stream
 
-__all__ = ["attention", "varlen_attention"]
+__all__ = ["attention", "attention_with_kvcache", "varlen_attention"]
 
 # The ops' option arguments after the arrays, in schema order: (name, schema type, default).
 _OPTIONS = (
@@ -498,3 +503,72 @@ def _varlen_backward(ctx, dout, dlse):
 
 
 _varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV cache: one op that appends into the caches (declared mutated) and returns out and lse. No gradient.
+
+_KVCACHE_SCHEMA = (
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, "
+    "Tensor? block_table, int? num_splits, float? scale, bool causal, int? window_left, int? window_right, "
+    "float? softcap, Tensor? alibi_slopes) -> (Tensor, Tensor)"
+)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None,
+                           num_splits=None, return_lse: bool = False, scale=None, causal: bool = False, window=None,
+                           softcap=None, alibi_slopes=None):
+    """``cuflash.attention_with_kvcache`` as a torch op: appends ``k_new`` / ``v_new`` into ``k_cache`` /
+    ``v_cache`` in place (at ``cache_seqlens[b]`` onwards), then attends. ``cache_seqlens`` ``(batch,)`` and
+    ``block_table`` ``(batch, max_pages)`` are int32 CUDA tensors (an int for cache_seqlens is turned into one).
+
+    Returns ``out (batch, seq_q, heads, head_dim_v)``, or ``(out, lse (batch, heads, seq_q))``.
+    """
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    left, right = (None, None) if window is None else window
+    out, lse = _KVCACHE(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                        None if num_splits is None else int(num_splits), scale, bool(causal), left, right, softcap,
+                        alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+_KVCACHE_WORKSPACE: dict = {}
+
+
+def _kvcache_outputs(q, v_cache):
+    out = q.new_empty((*q.shape[:3], v_cache.shape[-1]))
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits, scale, causal,
+                window_left, window_right, softcap, alibi_slopes):
+    out, lse = _kvcache_outputs(q, v_cache)
+    options = {name: value for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes))
+               if value is not None}
+    if window_left is not None or window_right is not None:
+        options["window"] = (window_left, window_right)
+    key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, q.device, None if block_table is None else block_table.shape,
+           num_splits, tuple(sorted(options)))
+    shapes = _KVCACHE_WORKSPACE.get(key)
+    if shapes is None:
+        with cupy.cuda.Device(q.device.index):
+            found = cuflash.kvcache_workspace(q, k_cache, v_cache, block_table=block_table, num_splits=num_splits,
+                                              **options)
+        shapes = _KVCACHE_WORKSPACE[key] = {name: tuple(shape) for name, shape in found.items()}
+    workspace = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+    _launch(cuflash.attention_with_kvcache, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
+            num_splits=num_splits, scale=scale, causal=causal, out=out, lse=lse, workspace=workspace or None,
+            **options)
+    return out, lse
+
+
+def _kvcache_fake(q, k_cache, v_cache, *rest):
+    return _kvcache_outputs(q, v_cache)
+
+
+_kvcache_custom_op = torch.library.custom_op("cuflash::attention_with_kvcache", _kvcache_op,
+                                             mutates_args=("k_cache", "v_cache"), schema=_KVCACHE_SCHEMA)
+_kvcache_custom_op.register_fake(_kvcache_fake)
+_KVCACHE = torch.ops.cuflash.attention_with_kvcache.default

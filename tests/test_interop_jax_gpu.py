@@ -403,3 +403,39 @@ def test_dropout_seed_as_a_traced_array_in_jit():
     out, lse = cuflash.attention_forward(cq, ck, cv, causal=True, dropout_p=0.2, seed=seed_int)
     ref = reference.relative_error(_f64(out1), cupy.asnumpy(out).astype(np.float64))
     assert ref < TOLERANCE[jnp.bfloat16]
+
+
+def test_kvcache_returns_the_updated_caches_in_jit():
+    """cfj.attention_with_kvcache under jit with the caches donated: out against the float64 reference over the
+    appended cache, the returned caches hold k_new / v_new at the lengths, and the paged form agrees bit for bit."""
+    B, L, H, Hkv, D, snew, page = 3, 128, 8, 2, 64, 3, 16
+    rng = np.random.default_rng(8)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(jnp.bfloat16)  # noqa: E731
+    q, k_cache, v_cache = draw(B, snew, H, D), draw(B, L, Hkv, D), draw(B, L, Hkv, D)
+    k_new, v_new = draw(B, snew, Hkv, D), draw(B, snew, Hkv, D)
+    lengths = jnp.asarray([0, 40, L - snew], jnp.int32)
+    k_host, v_host = np.asarray(k_cache.astype(jnp.float32)), np.asarray(v_cache.astype(jnp.float32))
+    table = jnp.asarray(rng.permutation(B * L // page).reshape(B, L // page), jnp.int32)
+    k_paged = jnp.zeros((B * L // page, page, Hkv, D), jnp.bfloat16).at[table.reshape(-1)].set(
+        k_cache.reshape(-1, page, Hkv, D))
+    v_paged = jnp.zeros((B * L // page, page, Hkv, D), jnp.bfloat16).at[table.reshape(-1)].set(
+        v_cache.reshape(-1, page, Hkv, D))
+
+    step = jax.jit(lambda q, kc, vc, kn, vn, n: cfj.attention_with_kvcache(q, kc, vc, n, kn, vn, causal=True),
+                   donate_argnums=(1, 2))
+    out, k2, v2 = step(q, k_cache, v_cache, k_new, v_new, lengths)
+    paged = jax.jit(lambda q, kc, vc, kn, vn, n, t: cfj.attention_with_kvcache(q, kc, vc, n, kn, vn, block_table=t,
+                                                                               causal=True))
+    out_p, kp2, _ = paged(q, k_paged, v_paged, k_new, v_new, lengths, table)
+    assert bool(jnp.all(out == out_p)), "paged and dense differ"
+    k2_host = np.asarray(k2.astype(jnp.float32))
+    for b, n in enumerate(np.asarray(lengths)):
+        want_k = k_host[b].copy()
+        want_k[n:n + snew] = np.asarray(k_new[b].astype(jnp.float32))
+        assert np.array_equal(k2_host[b], want_k)
+        want_v = v_host[b].copy()
+        want_v[n:n + snew] = np.asarray(v_new[b].astype(jnp.float32))
+        ref, _ = reference.attention_forward(_f64(q[b:b + 1]), want_k[None, :n + snew].astype(np.float64),
+                                             want_v[None, :n + snew].astype(np.float64), causal=True)
+        assert _error(out[b:b + 1], ref) < TOLERANCE[jnp.bfloat16]
+    assert np.array_equal(np.asarray(kp2[table].reshape(B, L, Hkv, D).astype(jnp.float32)), k2_host)

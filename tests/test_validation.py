@@ -281,9 +281,11 @@ def test_bad_stream_is_refused_naming_the_argument():
         resolve_stream("default")
 
 
-def test_unimplemented_entry_points_say_so():
-    with pytest.raises(NotImplementedError, match="not implemented"):
-        cuflash.attention_with_kvcache(None, None, None)
+def test_kvcache_refuses_non_arrays_before_touching_cuda():
+    with pytest.raises(TypeError, match="q must be a CUDA array supporting DLPack"):
+        cuflash.attention_with_kvcache(None, None, None, 0)
+    with pytest.raises(ValueError, match="bias is not supported by attention_with_kvcache"):
+        cuflash.attention_with_kvcache(None, None, None, 0, bias=np.zeros(3))
 
 
 def test_workspace_shapes_come_from_metadata_only():

@@ -216,11 +216,15 @@ __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, u
 // With kStages = 1 this is FlashAttention-2's overlap: V_j loads under Q.K_j^T, K_{j+1} under the
 // softmax and P.V_j. With kStages >= 2 each load has a whole step or more to land. Every warp's last
 // ldmatrix of Q precedes the last __syncthreads, so the epilogue may reuse Q's shared memory.
-template <typename Cfg>
-struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>, Cfg::kStages>> {
+// Loads_: the load side (FwdLoads; the KV-cache kernel's gathers, KvLoads in cuflash/kvcache.cuh), with the
+// narrow-panel tile.
+template <typename Cfg, typename Loads_ = FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>, Cfg::kStages>>
+struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
     using Elem = typename Cfg::Elem;
     using Tile = NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>;
-    using Loads = FwdLoads<Cfg, Tile, Cfg::kStages>;
+    using Loads = Loads_;
+    static_assert(Loads::KVTile::kPanelCols == Tile::kPanelCols && Loads::KVTile::kBytes == Tile::kBytes,
+                  "the load side fills the mainloop's narrow-panel tiles");
     using QTile = typename Loads::QTile;
     static constexpr int kStages = Cfg::kStages;
     static constexpr int kSmemBytes = Loads::kSmemBytes;
@@ -230,7 +234,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg
         if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
     }
 
-    using FwdWork<Cfg, Loads>::FwdWork;
+    using FwdWork<Cfg, Loads_>::FwdWork;
 
     // Prologue: groups K0 (with Q), V0, K1, V1, ..., V_{kStages-2}, K_{kStages-1}: 2*kStages-1 groups.
     // Later steps commit V_{j+kStages-1} and K_{j+kStages}, keeping the order K0 V0 K1 V1 ...: when step

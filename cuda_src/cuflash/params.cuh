@@ -62,6 +62,15 @@ struct AttnParams {
     const int* cu_seqlens_k;
     // Dropout's seed in device memory (a framework's traced / captured seed), or null: then dropout_seed.
     const unsigned long long* dropout_seed_ptr;
+    // KV cache (attention_with_kvcache, cuda_src/flash_kvcache.cu): k / v above are the caches, dense
+    // (B, L, Hkv, D) or paged (num_pages, page_size, Hkv, D), whose batch stride is then the page stride.
+    const int* cache_seqlens;  // (B,) tokens already cached; batch b attends to its first cache_seqlens[b] +
+                               // seqlen_new keys (clamped to kv_capacity)
+    const int* block_table;    // (B, max_pages) page ids (paged cache), or null (dense)
+    const void* k_new;         // (B, Snew, Hkv, D): written into the cache at cache_seqlens[b] ... by the
+    const void* v_new;         //   append kernel (flash_kvcache_append.cu), before the attention kernel
+    float* o_accum;            // split-KV partials: (num_splits, B, H, Sq, Dv) normalized fp32 outputs ...
+    float* lse_accum;          //   ... and (num_splits, B, H, Sq) their lse, merged by the combine kernel
 
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -80,6 +89,9 @@ struct AttnParams {
     long long bias_batch_stride, bias_head_stride, bias_row_stride;
     long long dbias_batch_stride, dbias_head_stride, dbias_row_stride;
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;  // 0 along broadcast dims
+    long long block_table_batch_stride;
+    long long knew_batch_stride, knew_row_stride, knew_head_stride;
+    long long vnew_batch_stride, vnew_row_stride, vnew_head_stride;
 
     int batch;
     int seqlen_q;
@@ -106,6 +118,10 @@ struct AttnParams {
     // batch index bq / bk is bq * batch + h * head + r: (B, heads, S) batched, (heads, T) packed (the plan
     // sets them: the k side's heads are the query heads or the dK/dV partial slots).
     int q_scratch_batch_stride, q_scratch_head_stride, k_scratch_batch_stride, k_scratch_head_stride;
+    // KV cache: appended tokens per batch (0 without k_new), the keys a batch can hold (L, or max_pages *
+    // page_size), the page size (0: dense), the pages of the cache (page ids are clamped below it) and the
+    // split-KV factor (1: no split; the attention kernel then writes o / lse itself).
+    int seqlen_new, kv_capacity, page_size, num_pages, num_splits;
     float scale;        // softmax scale applied to q.k
     float scale_log2;   // scale * log2(e), folded into exp2
     float softcap;      // > 0: s = softcap * tanh(s / softcap) (score-modifier variants); 0 = off

@@ -71,6 +71,18 @@ struct SeqInfo {
         return s;
     }
 
+    // The KV-cache kernel's (batch b, kv head h_kv) (cuda_src/flash_kvcache.cu): q / o / lse in the batched layout,
+    // h the group's first query head (its query rows pack the group's heads, cuflash/kvcache.cuh); the keys are
+    // the first cache_seqlens[b] + seqlen_new rows of the cache, clamped into [0, kv_capacity] (the cache's rows
+    // may be paged: KvLoads forms those addresses, not k() / v()).
+    static __device__ __forceinline__ SeqInfo kv_cache(const AttnParams& p, int b_, int h_kv_) {
+        SeqInfo s;
+        const int cached = min(max(__ldg(p.cache_seqlens + b_), 0), p.kv_capacity);
+        s.b = b_, s.h = h_kv_ * p.h_per_kv, s.h_kv = h_kv_, s.bq = b_, s.bk = b_, s.seqlen_q = p.seqlen_q;
+        s.seqlen_k = min(cached + p.seqlen_new, p.kv_capacity);
+        return s;
+    }
+
     // Bottom-right alignment: query i and key j are on the diagonal when j = i + causal_offset.
     __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }
 

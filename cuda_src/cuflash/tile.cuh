@@ -93,16 +93,29 @@ __device__ __forceinline__ void cp_async_4(unsigned smem_dst, const void* gmem_s
 // reading nothing there, so tail tiles stay finite; both issue exactly the same number of cp.async per
 // thread whatever the bounds, so cp.async group counts stay uniform.
 
+// Where a tile's rows come from. StridedRows: row r at base + r * row_stride (every kernel's bshd slices);
+// a gather (GqaRows, PagedRows in cuflash/kvcache.cuh) has at(r), the address of row r's first element, asked
+// only for rows inside the slice.
+template <typename Elem_>
+struct StridedRows {
+    using Elem = Elem_;
+    static constexpr bool kGather = false;
+    const Elem* base;
+    long long row_stride;
+};
+template <typename Rows>
+using Elem_of = typename Rows::Elem;
+
 // Panel-row-parallel copy (the forward's streamed K / V / Q tiles, one-panel-row groups of kPanelChunks
 // lanes, so 8 consecutive threads fill one 128-byte bank line and each group reads 64 / 128 contiguous
-// global bytes). Rows [tile_row0, tile_row0 + kRows) x columns [0, kCols) of a row-major (seqlen, dim) slice
-// whose row 0 starts at `base`. With kChecked, rows >= seqlen and columns >= cols_valid are zero-filled
+// global bytes). Rows [tile_row0, tile_row0 + kRows) x columns [0, kCols) of a (seqlen, dim) slice whose
+// rows `rows` locates. With kChecked, rows >= seqlen and columns >= cols_valid are zero-filled
 // (`fallback`, the tensor's base, stands in as the address); without, the caller guarantees the tile is in
-// bounds. A thread's rows differ by multiples of 8 between passes, so its swizzle term, and hence
-// everything but compile-time offsets, is fixed per tile.
-template <typename Tile, int kThreads, bool kChecked, typename Elem>
-__device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, long long row_stride,
-                                          int tile_row0, int seqlen, int cols_valid, const void* fallback) {
+// bounds (strided rows only). A thread's rows differ by multiples of 8 between passes, so its swizzle term,
+// and hence everything but compile-time offsets, is fixed per tile.
+template <typename Tile, int kThreads, bool kChecked, typename Rows>
+__device__ __forceinline__ void copy_tile_rows(unsigned smem_tile, const Rows& rows, int tile_row0, int seqlen,
+                                               int cols_valid, const void* fallback) {
     constexpr int kRows = Tile::kRows;
     constexpr int kGroupLanes = Tile::kPanelChunks;
     constexpr int kSlotsPerPass = kThreads / kGroupLanes;  // panel rows copied per pass, one per group
@@ -110,6 +123,7 @@ __device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, 
     // whole panels (kPanelsPerPass of them).
     static_assert(kSlotsPerPass % kRows == 0 || kRows % kSlotsPerPass == 0, "rows and threads mismatch");
     static_assert(kSlotsPerPass % 8 == 0, "rows of one thread must share their swizzle term");
+    static_assert(kChecked || !Rows::kGather, "gathered rows are always checked");
     constexpr bool kPartPanel = kRows % kSlotsPerPass == 0;
     constexpr int kRowPasses = kPartPanel ? kRows / kSlotsPerPass : 1;
     constexpr int kPanelsPerPass = kPartPanel ? 1 : kSlotsPerPass / kRows;
@@ -121,12 +135,25 @@ __device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, 
     const int panel0 = kPartPanel ? 0 : group / kRows;
     // The row index stays a 32-bit int until one widening multiply by the stride.
     const int thread_row = tile_row0 + row0;
-    const Elem* thread_src = base + thread_row * row_stride + panel0 * Tile::kPanelCols + chunk * kChunkElems;
+    const int thread_col = panel0 * Tile::kPanelCols + chunk * kChunkElems;
+    const auto* thread_src = Rows::kGather ? nullptr
+                                           : rows.base + thread_row * rows.row_stride + panel0 * Tile::kPanelCols +
+                                                 chunk * kChunkElems;
     const unsigned thread_dst = smem_tile + Tile::chunk_offset(row0, panel0 * kGroupLanes + chunk);
-    const long long pass_row_stride = kSlotsPerPass * row_stride;
+    const long long pass_row_stride = Rows::kGather ? 0 : kSlotsPerPass * rows.row_stride;
     // Validity as "compile-time offset < thread-fixed bound": no per-pass row or column registers.
     const int rows_left = seqlen - thread_row;
     const int cols_left = cols_valid - (panel0 * Tile::kPanelCols + chunk * kChunkElems);
+    // A gather looks each of the thread's rows up once (kRowPasses rows; the panels reuse them), and only
+    // rows inside the slice.
+    const Elem_of<Rows>* gathered[Rows::kGather ? kRowPasses : 1];
+    if constexpr (Rows::kGather) {
+#pragma unroll
+        for (int row_pass = 0; row_pass < kRowPasses; ++row_pass) {
+            const int row = thread_row + row_pass * kSlotsPerPass;
+            gathered[row_pass] = row_pass * kSlotsPerPass < rows_left ? rows.at(row) + thread_col : nullptr;
+        }
+    }
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
         const int row_pass = pass % kRowPasses;                     // rows advance by kSlotsPerPass ...
@@ -134,11 +161,23 @@ __device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, 
         if (!kPartPanel && Tile::kPanels % kPanelsPerPass != 0 && panel0 + panel_step >= Tile::kPanels) break;
         const bool valid =
             !kChecked || (row_pass * kSlotsPerPass < rows_left && panel_step * Tile::kPanelCols < cols_left);
-        const Elem* gmem = thread_src + row_pass * pass_row_stride + panel_step * Tile::kPanelCols;
+        const void* gmem;
+        if constexpr (Rows::kGather) {
+            gmem = valid ? static_cast<const void*>(gathered[row_pass] + panel_step * Tile::kPanelCols) : fallback;
+        } else {
+            const auto* src = thread_src + row_pass * pass_row_stride + panel_step * Tile::kPanelCols;
+            gmem = valid ? static_cast<const void*>(src) : fallback;
+        }
         sm80::cp_async_16(
-            thread_dst + row_pass * kSlotsPerPass * Tile::kPanelRowBytes + panel_step * Tile::kPanelBytes,
-            valid ? static_cast<const void*>(gmem) : fallback, valid);
+            thread_dst + row_pass * kSlotsPerPass * Tile::kPanelRowBytes + panel_step * Tile::kPanelBytes, gmem, valid);
     }
+}
+
+template <typename Tile, int kThreads, bool kChecked, typename Elem>
+__device__ __forceinline__ void copy_tile(unsigned smem_tile, const Elem* base, long long row_stride,
+                                          int tile_row0, int seqlen, int cols_valid, const void* fallback) {
+    copy_tile_rows<Tile, kThreads, kChecked>(smem_tile, StridedRows<Elem>{base, row_stride}, tile_row0, seqlen,
+                                             cols_valid, fallback);
 }
 
 // copy_tile for any tile. With kInteriorFastPath, a tile entirely in bounds (all rows < seqlen,

@@ -1,0 +1,55 @@
+// KV-cache attention forward (attention_with_kvcache): decoding and chunked prefill over a dense or paged
+// cache, fp16 / bf16, sm_80 and later.
+//
+// The forward's mma.sync mainloop (cuflash/fwd_mainloop_sm80.cuh) as it is, with the KV cache's query rows,
+// key tiles, mask and ALiBi (cuflash/kvcache.cuh). Grid (m_blocks * num_splits, Hkv, B): block x is query
+// block x / num_splits (kBlockM rows of the GQA-packed queries of one kv head) and split x % num_splits,
+// which takes an equal share of the query block's visible key blocks. The keys are appended by
+// flash_kvcache_append.cu first (same stream), so this kernel only reads the cache.
+// Decoding is bound by reading the cache: one CTA per (batch, kv head, split) reads each key once for the
+// whole group, and split-KV spreads a long cache over the SMs when B x Hkv CTAs cannot fill them.
+
+#include "cuflash/params.cuh"
+#include "cuflash/seqlen.cuh"
+#include "cuflash/kvcache.cuh"
+
+namespace cuflash {
+
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kScoreMod>
+__global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnParams params) {
+    using Cfg = KvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod>;
+    using Mainloop = FwdMainloopSm80<Cfg, KvLoads<Cfg, NarrowTile<kBlockN, kHeadDim>, kStages>>;
+    CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned smem_q = sm80::smem_addr(smem);
+    Mainloop::check_smem(smem_q);
+
+    const int split = blockIdx.x % params.num_splits;
+    const int m_block = blockIdx.x / params.num_splits;
+    const SeqInfo seq = SeqInfo::kv_cache(params, blockIdx.z, blockIdx.y);
+    const int row_begin = m_block * kBlockM;
+    const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;
+
+    const KvMask mask(params, seq);
+    typename Cfg::Blocks blocks(mask, m_block);
+    if (params.num_splits > 1) {  // this split's share of the visible key blocks
+        const int per_split = ceil_div(blocks.count(), params.num_splits);
+        const int begin = blocks.n_begin + split * per_split;
+        blocks.n_end = min(blocks.n_end, begin + per_split);
+        blocks.n_begin = min(begin, blocks.n_end);
+    }
+
+    float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
+    clear(acc_o);
+    OnlineSoftmax<Cfg::kMTiles> softmax;
+    if (!blocks.empty()) {
+        Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
+        mainloop.run(params, seq, acc_o, softmax);
+    }
+    float lse[Cfg::kMTiles][2];  // -inf, with acc_o 0, for rows that saw no key (or a split with no blocks)
+    softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
+    KvEpilogue<Elem>::store(params, seq, acc_o, lse, row_begin + warp_row0, split);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,188 @@
+"""Plans for KV-cache attention (``cuflash.attention_with_kvcache``): ``cuda_src/flash_kvcache.cu`` and its two
+helpers, ``flash_kvcache_append.cu`` (writes k_new / v_new into the cache) and ``flash_kvcache_combine.cu``
+(merges split-KV partials).
+
+Launches, in order on one stream: the append (when k_new is given), the attention kernel on grid
+``(m_blocks * num_splits, Hkv, B)``, and with ``num_splits > 1`` the combine. ``m_blocks`` covers the
+``Sq x G`` query rows of a kv head (G = H / Hkv query heads packed with their tokens, so a group reads the
+cache once: cuda_src/cuflash/kvcache.cuh).
+
+Tiles. The attention kernel runs the forward's mma.sync mainloop with 4 warps of 16 rows (kBlockM = 64):
+decoding is bound by reading the cache, not by the tensor cores, and 64 rows hold a whole group of up to 64
+heads for one token. Keys per step and stages: :func:`tile` (bytes in flight per SM), shedding stages, then
+keys, on parts with less shared memory.
+
+Split-KV (``num_splits``): None picks it with :func:`num_splits_heuristic` (enough CTAs to fill the SMs when
+B x Hkv x m_blocks cannot), 1 turns it off; each split takes an equal share of a query block's visible key
+blocks. The partials are fp32 ``o_accum (splits, B, H, Sq, Dv)`` and ``lse_accum (splits, B, H, Sq)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..arch import arch_caps
+from . import HEAD_DIM_BUCKETS, MOD_NONE, MOD_SOFTCAP_ALIBI, KernelVariant, Launch
+
+SOURCE = "flash_kvcache.cu"
+KERNEL_NAME = "cuflash::flash_kvcache_kernel"
+APPEND_SOURCE = "flash_kvcache_append.cu"
+APPEND_NAME = "cuflash::flash_kvcache_append_kernel"
+COMBINE_SOURCE = "flash_kvcache_combine.cu"
+COMBINE_NAME = "cuflash::flash_kvcache_combine_kernel"
+DTYPES = ("float16", "bfloat16")
+SCORE_MODS = (MOD_NONE, MOD_SOFTCAP_ALIBI)
+BLOCK_M, WARPS = 64, 4
+APPEND_THREADS, COMBINE_WARPS = 256, 4
+#: At most this many splits (the combine reads each row's lse_accum 32 at a time).
+MAX_SPLITS = 128
+ELEM_BYTES = 2
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """``flash_kvcache_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod>``."""
+
+    dtype: str
+    head_dim: int  # the head-dim bucket
+    block_m: int  # packed query rows per CTA
+    block_n: int  # keys per mainloop step
+    num_warps: int
+    stages: int
+    score_mod: int  # MOD_NONE or MOD_SOFTCAP_ALIBI
+
+
+@dataclass(frozen=True)
+class AppendConfig:
+    """``flash_kvcache_append_kernel<kElemBytes>``."""
+
+    elem_bytes: int
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """``flash_kvcache_combine_kernel<Elem>``."""
+
+    dtype: str
+
+
+def smem_bytes(head_dim_bucket: int, block_n: int, stages: int) -> int:
+    """Q (BLOCK_M rows), then ``stages`` K and V tiles of ``block_n`` rows (KvLoads::kSmemBytes)."""
+    return ELEM_BYTES * head_dim_bucket * (BLOCK_M + 2 * stages * block_n)
+
+
+def tile(arch: int, head_dim_bucket: int) -> tuple:
+    """(kBlockN, kStages) for one head-dim bucket on ``arch`` (see the module docstring).
+
+    Decoding streams the cache, so the tile is chosen for bytes in flight per SM: two CTAs per SM (8 warps
+    issuing copies, one CTA's loads landing under the other's math) with two or three K / V stages each.
+    Measured (H100, session 6 run 1): D128 with 128 keys x 2 stages (147 KB, one CTA per SM) read a B64 L8k
+    cache at 2752 GB/s and a B1 L128k one at 2243 (split 16), against cuDNN's 3094 / 2965.
+    """
+    big = arch_caps(arch).smem_per_block >= 200 * 1024
+    if head_dim_bucket <= 64:
+        block_n, stages = 128, 2  # D64: 74 KB, three CTAs per SM
+    elif head_dim_bucket <= 128 and big:
+        block_n, stages = 64, 3  # D96 86 KB, D128 112 KB: two CTAs per SM
+    else:
+        block_n, stages = 64, 2  # D160 102 KB (two per SM), D256 160 KB (one)
+    per_block = arch_caps(arch).smem_per_block
+    while smem_bytes(head_dim_bucket, block_n, stages) > per_block:
+        if stages > 1:
+            stages -= 1
+        elif block_n > 32:
+            block_n //= 2
+        else:
+            raise AssertionError(f"no KV-cache tile fits D{head_dim_bucket} on sm_{arch}")
+    return block_n, stages
+
+
+def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int) -> KernelVariant:
+    if dtype not in DTYPES:
+        raise ValueError(f"the KV-cache kernel takes float16 or bfloat16; got {dtype=}")
+    if score_mod not in SCORE_MODS:
+        raise ValueError(f"the KV-cache kernel takes no bias; got {score_mod=}")
+    if not arch_caps(arch).has_cp_async:
+        raise ValueError(f"the KV-cache kernel needs sm_80 or later; got {arch=}")
+    block_n, stages = tile(arch, head_dim_bucket)
+    config = KvConfig(dtype, head_dim_bucket, BLOCK_M, block_n, WARPS, stages, int(score_mod))
+    return KernelVariant(SOURCE, KERNEL_NAME, config, WARPS * 32, smem_bytes(head_dim_bucket, block_n, stages))
+
+
+def append_variant(dtype: str) -> KernelVariant:
+    return KernelVariant(APPEND_SOURCE, APPEND_NAME, AppendConfig(4 if dtype == "float32" else 2), APPEND_THREADS, 0)
+
+
+def combine_variant(dtype: str) -> KernelVariant:
+    return KernelVariant(COMBINE_SOURCE, COMBINE_NAME, CombineConfig(dtype), COMBINE_WARPS * 32, 0)
+
+
+def ctas_per_sm(v: KernelVariant, arch: int) -> int:
+    """How many of the attention kernel's CTAs share an SM (shared memory bound; 4 warps never hit the
+    register or thread limits first at these tiles)."""
+    caps = arch_caps(arch)
+    return max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
+
+
+def num_splits_heuristic(ctas: int, key_blocks: int, slots: int) -> int:
+    """Splits of the key blocks so that ``ctas`` CTAs (B x Hkv x m_blocks) fill ``slots`` CTA slots of the GPU.
+
+    1 when the CTAs already fill 80% of a wave. Otherwise, for each split count with a different number of
+    key blocks per split, the wave efficiency ``w / ceil(w)`` with ``w = ctas * splits / slots``; the smallest
+    count within 85% of the best wins (fewer splits: less partial traffic and a cheaper combine).
+    """
+    if ctas >= 0.8 * slots or key_blocks <= 1:
+        return 1
+    limit = min(MAX_SPLITS, key_blocks, max(1, 2 * slots // max(ctas, 1)))
+    candidates = []
+    for splits in range(1, limit + 1):
+        if splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
+            continue
+        waves = ctas * splits / slots
+        candidates.append((splits, waves / math.ceil(waves)))
+    best = max(eff for _, eff in candidates)
+    return next(splits for splits, eff in candidates if eff >= 0.85 * best)
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """The launches of one call and the split-KV scratch they need (shapes of float32 buffers)."""
+
+    launches: tuple
+    num_splits: int
+    o_accum: tuple | None
+    lse_accum: tuple | None
+    scratch: tuple = ()  # (launch.CallPlan reads it; the split-KV buffers are o_accum / lse_accum)
+
+
+def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int, head_dim_bucket: int,
+         head_dim_v: int, score_mod: int, longest_keys: int, append: bool, num_splits: int | None, arch: int,
+         num_sms: int) -> KvPlan:
+    """``longest_keys``: the most keys any batch can attend to (the cache's capacity, or the known lengths)."""
+    v = variant(dtype, head_dim_bucket, score_mod, arch)
+    group = num_heads // num_heads_k
+    m_blocks = -(-(seqlen_q * group) // BLOCK_M)
+    key_blocks = max(1, -(-longest_keys // v.config.block_n))
+    if num_splits is None:
+        num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, num_sms * ctas_per_sm(v, arch))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS, key_blocks))
+    launches = []
+    if append:
+        launches.append(Launch(append_variant(dtype), (2 * num_sms, 1, 1)))
+    launches.append(Launch(v, (m_blocks * num_splits, num_heads_k, batch)))
+    o_accum = lse_accum = None
+    if num_splits > 1:
+        rows = batch * num_heads * seqlen_q
+        launches.append(Launch(combine_variant(dtype), (-(-rows // COMBINE_WARPS), 1, 1)))
+        o_accum = (num_splits, batch, num_heads, seqlen_q, head_dim_v)
+        lse_accum = (num_splits, batch, num_heads, seqlen_q)
+    return KvPlan(tuple(launches), num_splits, o_accum, lse_accum)
+
+
+def all_variants(arch: int) -> list:
+    if not arch_caps(arch).has_cp_async:
+        return []
+    out = [variant(dtype, bucket, mod, arch) for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS]
+    out += [append_variant(dtype) for dtype in ("bfloat16", "float32")]
+    out += [combine_variant(dtype) for dtype in DTYPES]
+    return out

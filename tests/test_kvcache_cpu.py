@@ -1,0 +1,133 @@
+"""KV-cache calls on the CPU: the split-KV heuristic, the tiles, the checks of the arguments, and what a call
+launches (fake_gpu: made-up addresses, a recording cuLaunchKernel).
+
+The parameter block must address the cache the way cuda_src/cuflash/kvcache.cuh reads it: a paged cache's
+batch stride is its page stride, the block table's row stride and the page count are set, the window is
+always set (unbounded unless given, causal folded into its right side), and the grid is (query blocks x
+splits, Hkv, B) with the append first and the combine last.
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import cuflash  # noqa: E402
+from cuflash import validation  # noqa: E402
+from cuflash.kernels import HEAD_DIM_BUCKETS, kvcache as plans  # noqa: E402
+from cuflash.params import params_dtype  # noqa: E402
+
+from fake_gpu import install_fresh  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    return install_fresh(monkeypatch)
+
+
+def record(block: bytes):
+    return np.frombuffer(block, dtype=params_dtype())[0]
+
+
+def test_split_heuristic_fills_the_gpu_only_when_the_batch_cannot():
+    assert plans.num_splits_heuristic(ctas=512, key_blocks=64, slots=132) == 1  # B64 x Hkv8: full waves
+    splits = plans.num_splits_heuristic(ctas=8, key_blocks=1024, slots=132)  # B1 x Hkv8 at 128k keys
+    assert 8 <= splits <= 33 and 8 * splits <= 2 * 132
+    assert plans.num_splits_heuristic(ctas=8, key_blocks=1, slots=132) == 1  # nothing to split
+    assert plans.num_splits_heuristic(ctas=2, key_blocks=5, slots=132) <= 5
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_every_tile_fits_its_arch(arch):
+    from cuflash.arch import arch_caps
+
+    for bucket in HEAD_DIM_BUCKETS:
+        v = plans.variant("bfloat16", bucket, 0, arch)
+        assert v.smem_bytes <= arch_caps(arch).smem_per_block
+        assert v.smem_bytes == plans.smem_bytes(bucket, v.config.block_n, v.config.stages)
+        assert v.config.block_m == 64 and v.threads == 128
+
+
+def test_plan_orders_append_kernel_combine():
+    p = plans.plan("bfloat16", 1, 1, 32, 8, 128, 128, 0, 131072, True, None, 90, 132)
+    names = [launch.variant.name for launch in p.launches]
+    assert names == [plans.APPEND_NAME, plans.KERNEL_NAME, plans.COMBINE_NAME]
+    assert p.num_splits > 1 and p.launches[1].grid == (p.num_splits, 8, 1)
+    assert p.o_accum == (p.num_splits, 1, 32, 1, 128) and p.lse_accum == (p.num_splits, 1, 32, 1)
+    p1 = plans.plan("bfloat16", 64, 1, 32, 8, 128, 128, 0, 8192, False, None, 90, 132)
+    assert [launch.variant.name for launch in p1.launches] == [plans.KERNEL_NAME] and p1.num_splits == 1
+    # 77 tokens x 4 heads per group = 308 packed rows: 5 query blocks of 64
+    p2 = plans.plan("float16", 2, 77, 8, 2, 96, 96, 1, 640, True, 3, 90, 132)
+    assert p2.launches[1].grid == (5 * 3, 2, 2)
+
+
+def _cache(gpu, B=3, L=256, Hkv=2, D=64, dtype=BF16, paged=None):
+    if paged is None:
+        k = gpu.array((B, L, Hkv, D), dtype)
+        v = gpu.array((B, L, Hkv, D), dtype)
+        return k, v, None
+    num_pages, page_size, max_pages = paged
+    k = gpu.array((num_pages, page_size, Hkv, D), dtype)
+    v = gpu.array((num_pages, page_size, Hkv, D), dtype)
+    return k, v, gpu.array((B, max_pages), np.int32)
+
+
+def test_paged_call_addresses_pages(gpu):
+    B, H, Hkv, D = 3, 8, 2, 64
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, table = _cache(gpu, B, Hkv=Hkv, D=D, paged=(40, 16, 12))
+    lengths = gpu.array((B,), np.int32)
+    k_new, v_new = gpu.array((B, 1, Hkv, D), BF16), gpu.array((B, 1, Hkv, D), BF16)
+    cuflash.attention_with_kvcache(q, k, v, lengths, k_new, v_new, block_table=table, causal=True, num_splits=1)
+    assert len(gpu.launches) == 2  # append, attention
+    (_, append_grid, _, _, _, _), (_, grid, block, smem, _, params) = gpu.launches
+    r = record(params)
+    assert grid == (1, Hkv, B) and block == (128, 1, 1)
+    assert r["k_batch_stride"] == 16 * Hkv * D and r["k_row_stride"] == Hkv * D and r["k_head_stride"] == D
+    assert r["block_table"] == table.data.ptr and r["block_table_batch_stride"] == 12
+    assert r["page_size"] == 16 and r["num_pages"] == 40 and r["kv_capacity"] == 12 * 16
+    assert r["cache_seqlens"] == lengths.data.ptr and r["seqlen_new"] == 1 and r["num_splits"] == 1
+    assert r["k_new"] == k_new.data.ptr and r["knew_row_stride"] == Hkv * D
+    assert r["window_left"] == validation.UNBOUNDED_WINDOW and r["window_right"] == 0  # causal
+    assert r["h_per_kv"] == 4
+
+
+def test_dense_call_splits_into_scratch(gpu):
+    B, H, Hkv, D, L = 1, 32, 8, 128, 8192
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, _ = _cache(gpu, B, L, Hkv, D)
+    cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), window=(100, None))
+    assert len(gpu.launches) == 2  # attention, combine
+    r = record(gpu.launches[0][5])
+    splits = int(r["num_splits"])
+    assert splits > 1 and gpu.launches[0][1] == (splits, Hkv, B)
+    assert r["o_accum"] != 0 and r["lse_accum"] != 0 and r["block_table"] == 0
+    assert r["window_left"] == 100 and r["window_right"] == validation.UNBOUNDED_WINDOW
+    assert r["kv_capacity"] == L and r["seqlen_new"] == 0
+    assert record(gpu.launches[1][5])["o_accum"] == r["o_accum"]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(lengths=(4,)), ValueError, "cache_seqlens must have shape \\(3,\\)"),
+    (dict(lengths_dtype=np.int64), TypeError, "cache_seqlens must have dtype int32"),
+    (dict(k_new_tokens=2, v_new_tokens=1), ValueError, "v_new has 1 tokens but k_new has 2"),
+    (dict(k_new_heads=4), ValueError, "k_new has 4 kv heads"),
+    (dict(cache_heads=3), ValueError, "does not divide"),
+    (dict(cache_batch=2), ValueError, "k_cache has batch 2"),
+    (dict(options={"segment_ids": (1, 2)}), ValueError, "segment_ids is not supported by attention_with_kvcache"),
+    (dict(options={"dropout_p": 0.1}), ValueError, "dropout_p"),
+    (dict(options={"unknown": 1}), TypeError, "unexpected keyword"),
+])
+def test_bad_arguments_are_refused_naming_them(gpu, change, error, match):
+    B, H, D = 3, 8, 64
+    hkv = change.get("cache_heads", 2)
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, _ = _cache(gpu, change.get("cache_batch", B), 128, hkv, D)
+    lengths = gpu.array(change.get("lengths", (B,)), change.get("lengths_dtype", np.int32))
+    k_new = gpu.array((B, change.get("k_new_tokens", 1), change.get("k_new_heads", hkv), D), BF16)
+    v_new = gpu.array((B, change.get("v_new_tokens", 1), hkv, D), BF16)
+    with pytest.raises(error, match=match):
+        cuflash.attention_with_kvcache(q, k, v, lengths, k_new, v_new, **change.get("options", {}))
+    assert not gpu.launches
