@@ -285,7 +285,9 @@ def _contiguous(shape) -> tuple:
 
 
 def _meta(q, k_cache, v_cache, block_table, options) -> tuple:
-    """(dtype, batch, Sq, H, Hkv, D, Dv, score mod, capacity) from ``.shape`` / ``.dtype`` alone."""
+    """(dtype, batch, Sq, H, Hkv, D, Dv, score mod, capacity) from ``.shape`` / ``.dtype`` alone (``scale`` and
+    ``causal`` do not change the plan)."""
+    options = {name: value for name, value in options.items() if name not in ("scale", "causal")}
     _reject_options(options)
     dtype = _dtype_of(q)
     if dtype not in plans.DTYPES:
@@ -307,13 +309,11 @@ def kvcache_workspace(q, k_cache, v_cache, *, block_table=None, num_splits=None,
     return {} if plan.o_accum is None else {"o_accum": plan.o_accum, "lse_accum": plan.lse_accum}
 
 
-def prepare_kvcache(q, k_cache, v_cache, *, block_table=None, k_new=None, num_splits=None, causal=False,
-                    **options) -> None:
+def prepare_kvcache(q, k_cache, v_cache, *, block_table=None, k_new=None, num_splits=None, **options) -> None:
     """Compile and load the kernels :func:`attention_with_kvcache` launches for these shapes (e.g. before a
     CUDA-graph capture). Needs ``.shape`` / ``.dtype`` only."""
     from . import build
 
-    del causal
     meta = _meta(q, k_cache, v_cache, block_table, options)
     device = launch.current_device()
     plan = _plan(*meta[:8], meta[8], k_new is not None, num_splits, device)

@@ -43,6 +43,10 @@ struct FwdConfig {
     static constexpr int kDTiles = kHeadDim / 8;         // output columns, in mma n8 tiles
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
     static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
+    // Warps whose rows all lie past the query rows skip the math (they still load and meet every barrier):
+    // the KV cache's decoding blocks, whose few rows fill one warp of four (cuflash/kvcache.cuh). The mask
+    // then has `rows`. Off here: a forward block's warps all have rows but in its last block.
+    static constexpr bool kSkipIdleWarps = false;
     using Mask = MaskOf<kMask>;
     using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
@@ -252,6 +256,8 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
 
         const LdmatrixLanes lanes(threadIdx.x % 32);
         const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
+        bool idle = false;  // (a warp-uniform branch around the math only)
+        if constexpr (Cfg::kSkipIdleWarps) idle = this->row_begin + this->warp_row0 >= this->mask.rows;
         for (int j = 0; j < this->blocks.count(); ++j) {
             const int n = this->blocks.block(j);
             const unsigned slot = kStages == 1 ? 0u : unsigned(j % kStages) * Tile::kBytes;
@@ -261,16 +267,20 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
             this->loads.load_v(j + kStages - 1);           // into the V slot P.V_{j-1} just released
 
             float acc_s[kMTiles][kNTiles][4];
-            gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
-            this->modify_and_mask(acc_s, j, n);
+            if (!idle) {
+                gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
+                this->modify_and_mask(acc_s, j, n);
+            }
 
             sm80::cp_async_wait<2 * kStages - 2>();  // V_j landed for this thread ...
             __syncthreads();                         // ... and for all; everyone finished Q.K_j^T
             this->loads.load_k(j + kStages);               // into the K slot Q.K_j^T just released
 
-            softmax.update(acc_s, acc_o, scale_log2);
-            this->drop(acc_s, n);
-            gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot, lanes);
+            if (!idle) {
+                softmax.update(acc_s, acc_o, scale_log2);
+                this->drop(acc_s, n);
+                gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot, lanes);
+            }
         }
         sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit
     }

@@ -94,6 +94,7 @@ struct KvConfig : FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, 
     static_assert(kScoreMod == kNoScoreMod || kScoreMod == kSoftcapAlibi, "the KV cache takes no bias");
     using Mask = KvMask;
     using Blocks = KeyBlocks<kBlockM, kBlockN>;
+    static constexpr bool kSkipIdleWarps = true;  // decoding: G x Sq rows often fill one warp of the four
     using ScoreMod = KvScoreModOf<kScoreMod, Elem>;
 };
 
