@@ -253,6 +253,8 @@ def _plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: in
 def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, workspace, stream) -> None:
     import cupy
 
+    from .api import _contiguous_strides
+
     shape, device = call.shape, call.device
     plan = _plan(shape.dtype, shape.batch, shape.seqlen_q, shape.num_heads, shape.num_heads_k, shape.head_dim,
                  shape.head_dim_v, shape.score_mod, call.capacity, call.append, call.num_splits, device)
@@ -268,20 +270,12 @@ def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, wo
                 raise ValueError(f"workspace lacks the buffer {name!r} (see cuflash.kvcache_workspace)")
             t = describe(workspace[name], f"workspace[{name!r}]")
             validation.check_buffer(t, buffer_shape, "float32", device, rows_contiguous_only=True)
-            if t.strides != _contiguous(buffer_shape):
+            if t.strides != _contiguous_strides(buffer_shape):
                 raise ValueError(f"workspace[{name!r}] must be contiguous, got strides {t.strides}")
             fields[name] = t.ptr
     params = launch.make_params(shape, scale, call.q, call.k, call.v, out_d, lse_d, fields=tuple(fields.items()))
     launch.CallPlan(plan, device, params, 0).launch((), stream.ptr)
     del owners  # CuPy's pool is stream-ordered: reused only by work behind these launches
-
-
-def _contiguous(shape) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= size
-    return tuple(reversed(strides))
 
 
 def _meta(q, k_cache, v_cache, block_table, options) -> tuple:

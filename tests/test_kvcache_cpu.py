@@ -131,3 +131,19 @@ def test_bad_arguments_are_refused_naming_them(gpu, change, error, match):
     with pytest.raises(error, match=match):
         cuflash.attention_with_kvcache(q, k, v, lengths, k_new, v_new, **change.get("options", {}))
     assert not gpu.launches
+
+
+def test_workspace_shapes_come_from_shapes_and_are_used(gpu):
+    B, H, Hkv, D, L = 1, 32, 8, 128, 65536
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, _ = _cache(gpu, B, L, Hkv, D)
+    shapes = cuflash.kvcache_workspace(q, k, v, causal=True, scale=0.1)
+    assert set(shapes) == {"o_accum", "lse_accum"} and shapes["o_accum"][1:] == (B, H, 1, D)
+    workspace = {name: gpu.array(shape, np.float32) for name, shape in shapes.items()}
+    cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), causal=True, workspace=workspace)
+    r = record(gpu.launches[0][5])
+    assert r["o_accum"] == workspace["o_accum"].data.ptr and r["lse_accum"] == workspace["lse_accum"].data.ptr
+    assert r["num_splits"] == shapes["o_accum"][0]
+    with pytest.raises(ValueError, match="workspace lacks"):
+        cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), workspace={"o_accum": workspace["o_accum"]})
+    assert cuflash.kvcache_workspace(q, k, v, num_splits=1) == {}
