@@ -19,12 +19,13 @@ Kernels: cuda_src/flash_kvcache.cu (plans in cuflash/kernels/kvcache.py). fp16 a
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 
 import numpy as np
 
 from . import launch, validation
-from .arrays import TensorDesc, describe, require_cuda, resolve_stream
+from .arrays import TensorDesc, array_key, describe, require_cuda, resolve_stream
 from .kernels import ProblemShape, head_dim_bucket
 from .kernels import kvcache as plans
 from .varlen import _on_gpu
@@ -217,6 +218,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, k_new=None, 
     may be given as buffers. A row that sees no key gets out 0 and lse -inf. ``workspace``: the split-KV
     buffers by name, shapes from :func:`kvcache_workspace` (default: CuPy's pool).
     """
+    try:
+        key, pointers = _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits, scale,
+                                  causal, out, lse, workspace, options)
+        cached = _plans.get(key)
+    except Exception:  # an argument the keys cannot read (host lengths, an int): the validating path
+        key = cached = None
+    if cached is not None and launch.current_device() == cached.call.device:
+        out, lse = _hit(cached, pointers, out, lse, stream)
+        return (out, lse) if return_lse else out
     _reject_options(options)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):  # before touching CUDA
         require_cuda(x, name)
@@ -229,15 +239,86 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, k_new=None, 
         from .api import _buffer, _enter_device
 
         scale = validation.check_scale(scale, shape.head_dim)
-        stream, _ = _enter_device(stack, call.device, stream, given_stream)
+        stream, switched = _enter_device(stack, call.device, stream, given_stream)
         out_d = _buffer(out, "out", validation.out_shape(shape), shape.dtype, call.device)
         lse_d = _buffer(lse, "lse", validation.lse_shape(shape), "float32", call.device, rows_only=True)
         if shape.batch and shape.num_heads_k:
-            _launch(call, scale, out_d, lse_d, workspace, stream)
+            plan = _launch(call, scale, out_d, lse_d, workspace, stream)
+            if key is not None and not switched and workspace is None:
+                from .api import _remember
+
+                _remember(_plans, key, plan)
     out = out_d.array if out is None else out
     if return_lse:
         return out, (lse_d.array if lse is None else lse)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host time. A decoding loop calls with the same shapes every step: the first call with a key (every array's
+# type, shape, strides, dtype, device and alignment; the options' values) validates, plans and packs the
+# parameter block; a later one patches the arrays' pointers in and launches (cuflash.api does the same). Calls
+# with host lengths or tables, or a workspace, always validate.
+
+_plans: dict = {}
+#: The pointer fields a call patches, by argument, in launch.POINTER_FIELDS order.
+_FIELD_INDEX = {name: i for i, name in enumerate(launch.POINTER_FIELDS)}
+
+
+class _Cached:
+    __slots__ = ("call", "pointers", "o_accum", "lse_accum", "scratch_bytes")
+
+    def __init__(self, call: launch.CallPlan, pointers: list, o_accum, lse_accum):
+        self.call, self.pointers = call, tuple(pointers)
+        self.o_accum, self.lse_accum = o_accum, lse_accum
+        self.scratch_bytes = 0 if o_accum is None else 4 * (math.prod(o_accum) + math.prod(lse_accum))
+
+
+def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits, scale, causal, out, lse,
+              workspace, options) -> tuple:
+    """``(key, {pointer field: pointer})``; raises for anything the key does not cover."""
+    from .api import _options_key, _score_options_key
+
+    if workspace is not None or not set(options) <= set(OPTIONS):
+        raise KeyError("not cached")
+    keys, pointers = [], {}
+    for field, x in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse),
+                     ("cache_seqlens", cache_seqlens), ("k_new", k_new), ("v_new", v_new),
+                     ("block_table", block_table)):
+        kx, px = array_key(x)
+        keys.append(kx)
+        pointers[field] = px
+    if keys[5] is None or not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):
+        raise KeyError("lengths and tables given as host data are checked and copied every call")
+    option_key, option_pointers = _score_options_key(options) if options else (None, [0] * 5)
+    pointers["alibi_slopes"] = option_pointers[4]
+    key = (*keys, option_key, _options_key(scale, causal), type(num_splits), num_splits)
+    return key, pointers
+
+
+def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
+    from .api import _allocate, _stream_ptr
+
+    pointers = list(cached.pointers)
+    for field, ptr in given.items():
+        pointers[_FIELD_INDEX[field]] = ptr
+    specs = [spec for spec, buffer in zip(cached.call.outputs, (out, lse)) if buffer is None]
+    if cached.scratch_bytes:
+        specs.append(((cached.scratch_bytes,), "uint8"))
+    made = _allocate(specs, stream)
+    if out is None:
+        out = made.pop(0)
+        pointers[_FIELD_INDEX["o"]] = out.data.ptr
+    if lse is None:
+        lse = made.pop(0)
+        pointers[_FIELD_INDEX["lse"]] = lse.data.ptr
+    if cached.scratch_bytes:
+        base = made[0].data.ptr
+        pointers[_FIELD_INDEX["o_accum"]] = base
+        pointers[_FIELD_INDEX["lse_accum"]] = base + 4 * math.prod(cached.o_accum)
+    cached.call.launch(pointers, _stream_ptr(stream))
+    del made  # stream-ordered pool: the scratch is reused only behind these launches
+    return out, lse
 
 
 def _plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int, head_dim: int, head_dim_v: int,
@@ -250,10 +331,11 @@ def _plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: in
     return plan
 
 
-def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, workspace, stream) -> None:
+def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, workspace, stream) -> "_Cached":
+    """Launch the call's kernels; returns what a later call with the same key needs (:func:`_hit`)."""
     import cupy
 
-    from .api import _contiguous_strides
+    from .api import _contiguous_strides, _np_dtype
 
     shape, device = call.shape, call.device
     plan = _plan(shape.dtype, shape.batch, shape.seqlen_q, shape.num_heads, shape.num_heads_k, shape.head_dim,
@@ -274,8 +356,12 @@ def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, wo
                 raise ValueError(f"workspace[{name!r}] must be contiguous, got strides {t.strides}")
             fields[name] = t.ptr
     params = launch.make_params(shape, scale, call.q, call.k, call.v, out_d, lse_d, fields=tuple(fields.items()))
-    launch.CallPlan(plan, device, params, 0).launch((), stream.ptr)
+    pointers = [int(params[0][field]) for field in launch.POINTER_FIELDS]
+    outputs = ((out_d.shape, _np_dtype(shape.dtype)), (lse_d.shape, _np_dtype("float32")))
+    call_plan = launch.CallPlan(plan, device, params, len(pointers), outputs)
+    call_plan.launch(pointers, stream.ptr)
     del owners  # CuPy's pool is stream-ordered: reused only by work behind these launches
+    return _Cached(call_plan, pointers, plan.o_accum, plan.lse_accum)
 
 
 def _meta(q, k_cache, v_cache, block_table, options) -> tuple:

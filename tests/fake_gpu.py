@@ -113,8 +113,9 @@ def pointers_of(block: bytes) -> dict:
 
 def install_fresh(monkeypatch) -> FakeGPU:
     """A FakeGPU installed for one test, with the core's call-plan caches emptied (the ``gpu`` fixtures)."""
-    from cuflash import api
+    from cuflash import api, kvcache
 
     monkeypatch.setattr(api, "_forward_plans", {})
     monkeypatch.setattr(api, "_backward_plans", {})
+    monkeypatch.setattr(kvcache, "_plans", {})
     return FakeGPU().install(monkeypatch.setattr)

@@ -147,3 +147,47 @@ def test_workspace_shapes_come_from_shapes_and_are_used(gpu):
     with pytest.raises(ValueError, match="workspace lacks"):
         cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), workspace={"o_accum": workspace["o_accum"]})
     assert cuflash.kvcache_workspace(q, k, v, num_splits=1) == {}
+
+
+def test_a_repeated_call_patches_pointers_into_the_same_block(gpu):
+    """The second call with the same key skips validation: its parameter blocks equal the validating path's
+    with the new arrays' pointers (and fresh split scratch) patched in."""
+    B, H, Hkv, D = 1, 32, 8, 128
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, table = _cache(gpu, B, Hkv=Hkv, D=D, paged=(64, 1024, 64))
+    args = [gpu.array((B,), np.int32), gpu.array((B, 1, Hkv, D), BF16), gpu.array((B, 1, Hkv, D), BF16)]
+    slopes = gpu.array((H,), np.float32)
+    cuflash.attention_with_kvcache(q, k, v, *args, block_table=table, causal=True, alibi_slopes=slopes)
+    first = [record(launch[5]) for launch in gpu.launches]
+    assert len(first) == 3 and int(first[1]["num_splits"]) > 1  # append, attention (split), combine
+    gpu.launches.clear()
+    args2 = [gpu.array((B,), np.int32), gpu.array((B, 1, Hkv, D), BF16), gpu.array((B, 1, Hkv, D), BF16)]
+    q2, slopes2 = gpu.array((B, 1, H, D), BF16), gpu.array((H,), np.float32)
+    api_validate = cuflash.kvcache.KvCall
+    try:
+        cuflash.kvcache.KvCall = None  # a hit must not validate
+        cuflash.attention_with_kvcache(q2, k, v, *args2, block_table=table, causal=True, alibi_slopes=slopes2)
+    finally:
+        cuflash.kvcache.KvCall = api_validate
+    second = [record(launch[5]) for launch in gpu.launches]
+    assert len(second) == 3
+    changed = {"q": q2, "cache_seqlens": args2[0], "k_new": args2[1], "v_new": args2[2], "alibi_slopes": slopes2}
+    for a, b in zip(first, second):
+        for name in params_dtype().names:
+            if name in changed:
+                assert b[name] == changed[name].data.ptr, name
+            elif name in ("o", "lse", "o_accum", "lse_accum"):
+                assert b[name] != 0, name
+            else:
+                assert a[name] == b[name], name
+    assert second[1]["lse_accum"] - second[1]["o_accum"] == 4 * np.prod(plans.plan(
+        "bfloat16", B, 1, H, Hkv, 128, D, 1, 64 * 1024, True, None, 90, 132).o_accum)
+
+
+def test_host_lengths_are_never_cached(gpu):
+    B, H, Hkv, D = 2, 8, 2, 64
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, _ = _cache(gpu, B, 128, Hkv, D)
+    with pytest.raises(Exception):  # host data is copied with CuPy, which the fake GPU cannot do
+        cuflash.attention_with_kvcache(q, k, v, [3, 4])
+    assert not cuflash.kvcache._plans
