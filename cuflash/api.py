@@ -449,9 +449,10 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
     return tuple(fields.items()), dbias_d, accum
 
 
-def _scratch(plan, workspace, device: int) -> tuple:
+def _scratch(plan, workspace, device: int, shapes_from: str = "cuflash.backward_workspace") -> tuple:
     """Pointers of the plan's fp32 scratch buffers, from ``workspace`` or freshly allocated, and the
-    arrays that own them (which the caller must keep alive until its launches are enqueued)."""
+    arrays that own them (which the caller must keep alive until its launches are enqueued).
+    ``shapes_from``: the function that tells a caller the workspace's shapes (for the error message)."""
     import cupy
 
     pointers, owners = {}, []
@@ -461,7 +462,7 @@ def _scratch(plan, workspace, device: int) -> tuple:
             pointers[field] = owners[-1].data.ptr
             continue
         if field not in workspace:
-            raise ValueError(f"workspace lacks the buffer {field!r} (see cuflash.backward_workspace)")
+            raise ValueError(f"workspace lacks the buffer {field!r} (see {shapes_from})")
         t = describe(workspace[field], f"workspace[{field!r}]")
         validation.check_buffer(t, shape, "float32", device, rows_contiguous_only=True)
         contiguous = all(s == e for s, e in zip(t.strides, _contiguous_strides(shape)))

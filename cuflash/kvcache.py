@@ -19,7 +19,6 @@ Kernels: cuda_src/flash_kvcache.cu (plans in cuflash/kernels/kvcache.py). fp16 a
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 
 import numpy as np
@@ -266,12 +265,13 @@ _FIELD_INDEX = {name: i for i, name in enumerate(launch.POINTER_FIELDS)}
 
 
 class _Cached:
-    __slots__ = ("call", "pointers", "o_accum", "lse_accum", "scratch_bytes")
+    """A validated call: its launches and parameter block (``call``, whose scratch layout carves the split-KV
+    buffers from one allocation) and the pointers it launched with."""
 
-    def __init__(self, call: launch.CallPlan, pointers: list, o_accum, lse_accum):
+    __slots__ = ("call", "pointers")
+
+    def __init__(self, call: launch.CallPlan, pointers: list):
         self.call, self.pointers = call, tuple(pointers)
-        self.o_accum, self.lse_accum = o_accum, lse_accum
-        self.scratch_bytes = 0 if o_accum is None else 4 * (math.prod(o_accum) + math.prod(lse_accum))
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits, scale, causal, out, lse,
@@ -299,12 +299,13 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num
 def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
     from .api import _allocate, _stream_ptr
 
+    call = cached.call
     pointers = list(cached.pointers)
     for field, ptr in given.items():
         pointers[_FIELD_INDEX[field]] = ptr
-    specs = [spec for spec, buffer in zip(cached.call.outputs, (out, lse)) if buffer is None]
-    if cached.scratch_bytes:
-        specs.append(((cached.scratch_bytes,), "uint8"))
+    specs = [spec for spec, buffer in zip(call.outputs, (out, lse)) if buffer is None]
+    if call.scratch_bytes:
+        specs.append(((call.scratch_bytes,), "uint8"))
     made = _allocate(specs, stream)
     if out is None:
         out = made.pop(0)
@@ -312,11 +313,10 @@ def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
     if lse is None:
         lse = made.pop(0)
         pointers[_FIELD_INDEX["lse"]] = lse.data.ptr
-    if cached.scratch_bytes:
-        base = made[0].data.ptr
-        pointers[_FIELD_INDEX["o_accum"]] = base
-        pointers[_FIELD_INDEX["lse_accum"]] = base + 4 * math.prod(cached.o_accum)
-    cached.call.launch(pointers, _stream_ptr(stream))
+    if call.scratch_bytes:
+        for (field, _), offset in zip(call.scratch, call.scratch_offsets):
+            pointers[_FIELD_INDEX[field]] = made[0].data.ptr + offset
+    call.launch(pointers, _stream_ptr(stream))
     del made  # stream-ordered pool: the scratch is reused only behind these launches
     return out, lse
 
@@ -333,35 +333,21 @@ def _plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: in
 
 def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, workspace, stream) -> "_Cached":
     """Launch the call's kernels; returns what a later call with the same key needs (:func:`_hit`)."""
-    import cupy
-
-    from .api import _contiguous_strides, _np_dtype
+    from .api import _np_dtype, _scratch
 
     shape, device = call.shape, call.device
     plan = _plan(shape.dtype, shape.batch, shape.seqlen_q, shape.num_heads, shape.num_heads_k, shape.head_dim,
                  shape.head_dim_v, shape.score_mod, call.capacity, call.append, call.num_splits, device)
     fields = dict(call.fields, num_splits=plan.num_splits, **call.window_fields())
-    owners = []
-    if plan.o_accum is not None:
-        for name, buffer_shape in (("o_accum", plan.o_accum), ("lse_accum", plan.lse_accum)):
-            if workspace is None:
-                owners.append(cupy.empty(buffer_shape, dtype=cupy.float32))
-                fields[name] = owners[-1].data.ptr
-                continue
-            if name not in workspace:
-                raise ValueError(f"workspace lacks the buffer {name!r} (see cuflash.kvcache_workspace)")
-            t = describe(workspace[name], f"workspace[{name!r}]")
-            validation.check_buffer(t, buffer_shape, "float32", device, rows_contiguous_only=True)
-            if t.strides != _contiguous_strides(buffer_shape):
-                raise ValueError(f"workspace[{name!r}] must be contiguous, got strides {t.strides}")
-            fields[name] = t.ptr
+    pointers, owners = _scratch(plan, workspace, device, "cuflash.kvcache_workspace")
+    fields.update(pointers)
     params = launch.make_params(shape, scale, call.q, call.k, call.v, out_d, lse_d, fields=tuple(fields.items()))
     pointers = [int(params[0][field]) for field in launch.POINTER_FIELDS]
     outputs = ((out_d.shape, _np_dtype(shape.dtype)), (lse_d.shape, _np_dtype("float32")))
     call_plan = launch.CallPlan(plan, device, params, len(pointers), outputs)
     call_plan.launch(pointers, stream.ptr)
     del owners  # CuPy's pool is stream-ordered: reused only by work behind these launches
-    return _Cached(call_plan, pointers, plan.o_accum, plan.lse_accum)
+    return _Cached(call_plan, pointers)
 
 
 def _meta(q, k_cache, v_cache, block_table, options) -> tuple:

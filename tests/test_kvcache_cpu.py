@@ -180,8 +180,8 @@ def test_a_repeated_call_patches_pointers_into_the_same_block(gpu):
                 assert b[name] != 0, name
             else:
                 assert a[name] == b[name], name
-    assert second[1]["lse_accum"] - second[1]["o_accum"] == 4 * np.prod(plans.plan(
-        "bfloat16", B, 1, H, Hkv, 128, D, 1, 64 * 1024, True, None, 90, 132).o_accum)
+    o_bytes = 4 * int(np.prod(plans.plan("bfloat16", B, 1, H, Hkv, 128, D, 1, 64 * 1024, True, None, 90, 132).o_accum))
+    assert second[1]["lse_accum"] - second[1]["o_accum"] == -(-o_bytes // 256) * 256  # one allocation, carved
 
 
 def test_host_lengths_are_never_cached(gpu):

@@ -154,7 +154,7 @@ class KvPlan:
     num_splits: int
     o_accum: tuple | None
     lse_accum: tuple | None
-    scratch: tuple = ()  # (launch.CallPlan reads it; the split-KV buffers are o_accum / lse_accum)
+    scratch: tuple = ()  # ((field, shape), ...): o_accum and lse_accum when split
 
 
 def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int, head_dim_bucket: int,
@@ -178,7 +178,8 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
         launches.append(Launch(combine_variant(dtype), (-(-rows // COMBINE_WARPS), 1, 1)))
         o_accum = (num_splits, batch, num_heads, seqlen_q, head_dim_v)
         lse_accum = (num_splits, batch, num_heads, seqlen_q)
-    return KvPlan(tuple(launches), num_splits, o_accum, lse_accum)
+    scratch = () if o_accum is None else (("o_accum", o_accum), ("lse_accum", lse_accum))
+    return KvPlan(tuple(launches), num_splits, o_accum, lse_accum, scratch)
 
 
 def all_variants(arch: int) -> list:
