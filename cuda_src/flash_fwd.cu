@@ -10,14 +10,17 @@
 //   O += P.V      P packed to Elem in registers: the C layout of S is the A layout of P
 // and at the end O /= l, lse = m*scale + log(l), O staged through shared memory for 16-byte stores.
 // Tile sizes per head-dim bucket and arch, and why, live in cuflash/kernels/forward_sm80.py.
-// Two mainloops, chosen by a trait on the template argument kWgmma; both drive the same mask and softmax,
-// which see only the mma C-fragment layout (cuda_src/README.md, "Accumulator contract").
+// Three mainloops, chosen by the template argument kMainloop; all drive the same mask and softmax, which see
+// only the mma C-fragment layout (cuda_src/README.md, "Accumulator contract").
 //
 // The mainloops live in cuflash/fwd_mainloop_sm80.cuh (mma.sync, narrow 32-column panels, cp.async
-// kStages-deep K / V pipeline) and cuflash/fwd_mainloop_sm90.cuh (wgmma, wide 128-byte-swizzled panels,
-// 2-slot ring with the softmax of S_j under P.V_{j-1}); each file states its pipeline. The kernel below is
+// kStages-deep K / V pipeline), cuflash/fwd_mainloop_sm90.cuh (wgmma, wide 128-byte-swizzled panels,
+// 2-slot ring with the softmax of S_j under P.V_{j-1}, every thread loading) and
+// cuflash/fwd_mainloop_sm90_ws.cuh (the same step in two consumer warpgroups that take turns on the tensor
+// cores, fed by a producer warpgroup through mbarriers); each file states its pipeline. The kernel below is
 // glue: block index -> sequence info (cuflash/seqlen.cuh) -> key blocks (cuflash/block.cuh) -> mainloop
-// -> epilogue (cuflash/epilogue_fwd.cuh).
+// (for the warp-specialized one: barriers, then the producer's and the consumers' branches) -> epilogue
+// (cuflash/epilogue_fwd.cuh).
 //
 // Checked without a GPU: all_variants(80) compiles for sm_80 and all_variants(90) (wgmma included) for
 // sm_90a, spill-free, and ptxas reports no serialized wgmma. A CPU emulation of the warp collectives
@@ -36,22 +39,38 @@
 #include "cuflash/softmax.cuh"
 #include "cuflash/fwd_mainloop_sm80.cuh"
 #include "cuflash/fwd_mainloop_sm90.cuh"
+#include "cuflash/fwd_mainloop_sm90_ws.cuh"
 #include "cuflash/epilogue_fwd.cuh"
 
 namespace cuflash {
 
+// The mainloop of a variant (cuflash/kernels/forward.py: MAINLOOP_*): mma.sync (sm_80 and later), wgmma
+// with every thread loading and computing (sm_90a), or wgmma with a producer warpgroup and two consumer
+// warpgroups taking turns (sm_90a).
+enum FwdMainloopKind { kMainloopSm80 = 0, kMainloopSm90 = 1, kMainloopSm90Ws = 2 };
+
+template <typename Cfg, int kMainloop>
+using FwdMainloopOf = conditional_t<kMainloop == kMainloopSm90Ws, FwdMainloopSm90Ws<Cfg>,
+                                    conditional_t<kMainloop == kMainloopSm90, FwdMainloopSm90<Cfg>, FwdMainloopSm80<Cfg>>>;
+
+// Threads of a block: kNWarps compute warps, plus the producer warpgroup of the warp-specialized mainloop.
+__host__ __device__ constexpr int fwd_threads(int mainloop, int n_warps) { return n_warps * 32 + (mainloop == kMainloopSm90Ws ? 128 : 0); }
+
 // kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier (score_mod.cuh) instead of none.
-// kWgmma = false: the mma.sync mainloop (sm_80 and later). kWgmma = true: the warpgroup mainloop of sm_90a.
+// kMainloop: a FwdMainloopKind. The block-per-SM minimum of 1 gives the warp-specialized kernel the register cap
+// at entry that setmaxnreg needs (168 for 384 threads); the others keep none (0): with 1, ptxas allocated
+// differently and spilled in the 8-warp wgmma kernel with a bool mask and softcap.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kMask, int kScoreMod,
-          bool kWgmma>
-__global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParams params) {
+          int kMainloop>
+__global__ void __launch_bounds__(fwd_threads(kMainloop, kNWarps), kMainloop == kMainloopSm90Ws ? 1 : 0) flash_fwd_kernel(const AttnParams params) {
     using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod>;
-    using Mainloop = conditional_t<kWgmma, FwdMainloopSm90<Cfg>, FwdMainloopSm80<Cfg>>;
-    using Epilogue = FwdEpilogue<Elem, typename Mainloop::QTile, Cfg::kThreads>;
+    using Mainloop = FwdMainloopOf<Cfg, kMainloop>;
+    constexpr int kThreads = fwd_threads(kMainloop, kNWarps);
+    using Epilogue = FwdEpilogue<Elem, typename Mainloop::QTile, kThreads>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
 
     // 1024-byte alignment (the mma.sync path needs 128): wgmma's 128-byte swizzle is anchored at
-    // 1024-byte boundaries, so the wgmma mainloop checks it.
+    // 1024-byte boundaries, so the wgmma mainloops check it.
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned smem_q = sm80::smem_addr(smem);
     Mainloop::check_smem(smem_q);
@@ -60,7 +79,10 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // past a shorter packed sequence (the grid covers the longest)
-    const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block
+    constexpr bool kWarpSpecialized = kMainloop == kMainloopSm90Ws;
+    // This warp's first row within the block (the warp-specialized consumers count from the producer's end).
+    const int warp_row0 = kWarpSpecialized ? (int(threadIdx.x) - kThreads + Cfg::kThreads) / 32 * Cfg::kWarpRows
+                                           : threadIdx.x / 32 * Cfg::kWarpRows;
 
     const typename Cfg::Mask mask(params, seq);
     const typename Cfg::Blocks blocks(mask, m_block);
@@ -70,10 +92,24 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd_kernel(const AttnParam
     }
 
     float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
-    clear(acc_o);
     OnlineSoftmax<Cfg::kMTiles> softmax;
-    Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
-    mainloop.run(params, seq, acc_o, softmax);
+    if constexpr (kWarpSpecialized) {
+        const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
+        mainloop.init_barriers();
+        __syncthreads();
+        if (threadIdx.x < Mainloop::kProducerThreads) {
+            sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
+            mainloop.produce(params, seq);
+            return;
+        }
+        sm90::setmaxnreg_inc<Mainloop::kConsumerRegisters>();
+        clear(acc_o);
+        mainloop.run(params, seq, acc_o, softmax);
+    } else {
+        clear(acc_o);
+        Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
+        mainloop.run(params, seq, acc_o, softmax);
+    }
 
     float lse[Cfg::kMTiles][2];
     softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);

@@ -181,6 +181,45 @@ def test_grouped_heads_per_dkdv_block(p, heads, monkeypatch):
         launch.backward_plan.cache_clear()
 
 
+# Every forward mainloop of sm_90a on the same problems, whichever one the plans pick: the mma.sync one, the
+# 8-warp wgmma one and the warp-specialized one (producer warpgroup, ping-pong consumers). Odd lengths (a
+# partial last block on both sides, one block only, Sq != Sk), GQA / MQA, causal with Sq < Sk, a negative
+# scale (the producer flips Q's sign), dlse, and the three wgmma head dims.
+MAINLOOP_PROBLEMS = (
+    Problem("bf16", B=2, Sq=333, Sk=517, H=6, Hkv=2, D=128, causal=True),
+    Problem("fp16", B=1, Sq=129, Sk=1000, H=4, Hkv=1, D=64),
+    Problem("bf16", B=2, Sq=77, Sk=65, H=2, Hkv=2, D=256, causal=True),
+    Problem("fp16", B=1, Sq=1000, Sk=129, H=3, Hkv=3, D=128, scale=-0.2),
+    Problem("bf16", B=1, Sq=17, Sk=17, H=2, Hkv=1, D=256),
+    Problem("bf16", B=1, Sq=2000, Sk=2000, H=2, Hkv=2, D=64, causal=True, dlse=True),
+)
+
+
+@pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
+@pytest.mark.parametrize("p", MAINLOOP_PROBLEMS, ids=gu.problem_ids(MAINLOOP_PROBLEMS))
+def test_every_forward_mainloop(p, mainloop, monkeypatch):
+    import cupy
+
+    from cuflash import api, kernels, launch
+    from cuflash.kernels import forward
+
+    if cupy.cuda.Device(0).compute_capability != "90":
+        pytest.skip("the wgmma mainloops need an sm_90 GPU")
+    kind = {"sm80": forward.MAINLOOP_SM80, "sm90": forward.MAINLOOP_SM90, "sm90_ws": forward.MAINLOOP_SM90_WS}[mainloop]
+    if kind == forward.MAINLOOP_SM90 and p.D not in forward.WGMMA_BUCKETS:
+        pytest.skip(f"no 8-warp wgmma tile for D{p.D}")
+    monkeypatch.setattr(forward, "default_mainloop", lambda *args, **kwargs: kind)
+    launch.forward_plan.cache_clear()
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+    try:
+        shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
+        assert launch.forward_plan(shape, 0).launches[-1].variant.config.mainloop == kind
+        gu.check_attention(p)
+    finally:
+        launch.forward_plan.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_forward_is_bit_identical(dtype, causal):

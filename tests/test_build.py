@@ -83,7 +83,7 @@ def test_config_field_order_is_the_template_argument_order():
     fwd = forward.variant("bfloat16", 128, 1, 80).config
     assert build.render_name(forward.variant("bfloat16", 128, 1, 80)) == (
         f"cuflash::flash_fwd_kernel<__nv_bfloat16, 128, {fwd.block_m}, {fwd.block_n}, {fwd.num_warps}, "
-        f"{fwd.stages}, 1, 0, false>")
+        f"{fwd.stages}, 1, 0, 0>")
     dkdv = backward.dkdv_variant(90, "float16", 64, 0, True, score_mod=1)
     tile = dkdv.config
     assert build.render_name(dkdv) == (

@@ -66,7 +66,9 @@ struct FwdConfig {
 // the same groups and the mainloops' wait counts hold for every step. With a staged bias (Cfg::kBias and
 // params.bias_staged) load_k also copies step j's bias tile into bias slot j % kSlots, in K's group: it
 // is read (modify_and_mask) between K_j's wait and the barrier before K_{j+kSlots} reuses the slot.
-template <typename Cfg, typename Tile_, int kSlots>
+// kLoadThreads: the threads that share the copies (threads 0 .. kLoadThreads - 1): the whole CTA, or a
+// warp-specialized kernel's producer warpgroup.
+template <typename Cfg, typename Tile_, int kSlots, int kLoadThreads = Cfg::kThreads>
 struct FwdLoads {
     using Elem = typename Cfg::Elem;
     using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
@@ -100,13 +102,13 @@ struct FwdLoads {
     }
 
     __device__ __forceinline__ void load_q(unsigned smem_q, const SeqInfo& seq, int row_begin) const {
-        load_tile<QTile, Cfg::kThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
+        load_tile<QTile, kLoadThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
                                                          seq.seqlen_q, params.head_dim, params.q);
     }
     __device__ __forceinline__ void load_k(int j) const {
         if constexpr (Cfg::kBias) {
             if (j < blocks.count() && params.bias_staged) {
-                Cfg::BiasTileT::template copy<Cfg::kThreads>(bias_slot(j), params, b, h, row_begin,
+                Cfg::BiasTileT::template copy<kLoadThreads>(bias_slot(j), params, b, h, row_begin,
                                                              blocks.block(j) * Cfg::kBlockN, threadIdx.x);
             }
         }
@@ -119,7 +121,7 @@ struct FwdLoads {
     __device__ __forceinline__ void load_step(int j, unsigned smem, const Elem* src, long long row_stride, int cols,
                                               const void* base) const {
         if (j < blocks.count()) {
-            load_tile<KVTile, Cfg::kThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
+            load_tile<KVTile, kLoadThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
                                                               blocks.block(j) * Cfg::kBlockN, seqlen_k, cols,
                                                               base);
         }
@@ -191,12 +193,26 @@ __device__ __forceinline__ void negate_tile(unsigned tile) {
 }
 
 // The online softmax wants scale > 0 (softmax.cuh). A negative scale is |scale| applied to -Q: flip Q's
-// sign bits once, in shared memory, as soon as Q has landed (the loop's first barrier publishes the flip).
-// A zero scale becomes the smallest normal float, which keeps every finite exponent at 0 while masked
-// scores stay -inf (0 * -inf would be NaN); lse still uses 0. kYoungerGroups: cp.async groups committed
-// after the one holding Q.
+// sign bits once, in shared memory, as soon as Q has landed (negate_q_if_needed; the next barrier
+// publishes the flip). A zero scale becomes the smallest normal float, which keeps every finite exponent
+// at 0 while masked scores stay -inf (0 * -inf would be NaN); lse still uses 0.
 // A score modifier of the scaled domain (score_mod.cuh) has applied the scale itself: the softmax then
 // runs with log2(e), and Q stays as it is.
+template <typename ScoreMod>
+__device__ __forceinline__ float softmax_scale_log2(const AttnParams& params) {
+    if constexpr (ScoreMod::kScaled) return ScoreMod::exp_factor(params);
+    constexpr float kMinScaleLog2 = 1.17549435e-38f;  // smallest normal float
+    return fmaxf(fabsf(params.scale_log2), kMinScaleLog2);
+}
+// The sign flip, by the kThreads threads that share it, once Q has landed for all of them.
+template <typename QTile, int kThreads, typename ScoreMod>
+__device__ __forceinline__ void negate_q_if_needed(const AttnParams& params, unsigned smem_q) {
+    if (!ScoreMod::kScaled && params.scale < 0.f) negate_tile<QTile::kBytes, kThreads>(smem_q);
+}
+
+// Both, for the kernels whose threads all load: kYoungerGroups cp.async groups were committed after the
+// one holding Q. (Written out rather than through the two helpers above: that form scheduled the 8-warp
+// wgmma loop's loads differently.)
 template <typename QTile, int kThreads, int kYoungerGroups, typename ScoreMod>
 __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, unsigned smem_q) {
     if constexpr (ScoreMod::kScaled) return ScoreMod::exp_factor(params);

@@ -2,14 +2,16 @@
 
 One launch, grid ``(ceil(Sq / kBlockM), H, B)``, no scratch; under the general mask (window, segment or
 block ids) the block-list pre-pass (``block_lists``) goes first. A variant is
-``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod, kWgmma>``; each warp
-owns ``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream
+``flash_fwd_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod, kMainloop>``; each
+compute warp owns ``kBlockM / kNWarps`` query rows (a multiple of 16) for the whole key loop, and K / V stream
 through ``kStages`` shared-memory buffers each.
 
-Two mainloops: ``kWgmma = False`` runs the GEMMs on mma.sync (sm_80 and later: :func:`tile_sm80`);
-``kWgmma = True`` runs them on the warpgroup instructions of sm_90a (:func:`tile_sm90_wgmma`), chosen
-for arch 90 at head-dim buckets 64, 128 and 256. Every other bucket, and every other arch (sm_100
-has no wgmma), keeps mma.sync.
+Three mainloops (``mainloop``): ``MAINLOOP_SM80`` runs the GEMMs on mma.sync (sm_80 and later:
+:func:`tile_sm80`); ``MAINLOOP_SM90`` on the warpgroup instructions of sm_90a with every thread loading
+(:func:`tile_sm90_wgmma`); ``MAINLOOP_SM90_WS`` on them with a producer warpgroup feeding two consumer
+warpgroups that take turns on the tensor cores (:func:`tile_sm90_ws`). :func:`default_mainloop` picks: on
+arch 90 the warp-specialized one wherever its variant compiles without spills (:func:`ws_fits`), else the
+8-warp wgmma one at WGMMA_BUCKETS, else mma.sync (every other bucket, every other arch: sm_100 has no wgmma).
 
 Tile choice (see :func:`tile_sm80`) follows from three budgets per SM:
 
@@ -33,9 +35,15 @@ from dataclasses import dataclass
 
 from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
+from . import MASK_CAUSAL, MASK_GENERAL, MASK_NONE, MOD_NONE, MOD_SOFTCAP_ALIBI
 from . import block_lists
 
 SOURCE = "flash_fwd.cu"
+#: The mainloops (``FwdMainloopKind`` in flash_fwd.cu): mma.sync with every thread loading (sm_80 and later);
+#: wgmma with every thread loading (sm_90a); wgmma with a producer warpgroup and two consumer warpgroups
+#: taking turns on the tensor cores (sm_90a, cuda_src/cuflash/fwd_mainloop_sm90_ws.cuh).
+MAINLOOP_SM80, MAINLOOP_SM90, MAINLOOP_SM90_WS = 0, 1, 2
+PRODUCER_THREADS = 128
 KERNEL_NAME = "cuflash::flash_fwd_kernel"
 DTYPES = ("float16", "bfloat16")
 ELEM_BYTES = 2
@@ -56,7 +64,17 @@ class FwdConfig:
     stages: int  # K / V shared-memory buffers each
     mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
-    wgmma: bool  # the sm_90a warpgroup mainloop instead of mma.sync
+    mainloop: int  # MAINLOOP_SM80, MAINLOOP_SM90 or MAINLOOP_SM90_WS
+
+    @property
+    def wgmma(self) -> bool:
+        """Whether the GEMMs run on the sm_90a warpgroup instructions."""
+        return self.mainloop != MAINLOOP_SM80
+
+    @property
+    def threads(self) -> int:
+        """Threads per block: the compute warps, plus the producer warpgroup of the warp-specialized mainloop."""
+        return 32 * self.num_warps + (PRODUCER_THREADS if self.mainloop == MAINLOOP_SM90_WS else 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,15 +99,23 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
 #: D64 stays on the mma.sync tile until a better wgmma tile is measured.
 WGMMA_BUCKETS = (128, 256)
 
+#: Head-dim buckets with a warp-specialized tile (producer warpgroup, two consumer warpgroups in ping-pong);
+#: :func:`ws_fits` says which variants take it. Not measured yet against the 8-warp one (2026-11-23, session 7).
+WS_BUCKETS = (64, 128, 256)
 
-def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bias: bool = False) -> int:
+
+def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bias: bool = False,
+               mainloop: int = MAINLOOP_SM80) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each, then with a bias ``stages`` staged bias tiles
-    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh). Mirrors ``kSmemBytes`` in
-    the kernel, for both panel layouts (the wgmma one adds no padding: every tile is a multiple of 1024
-    bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against ``CUFLASH_CHECK_SMEM_BYTES``)."""
+    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh), then for the
+    warp-specialized mainloop its mbarriers (Q's, and a full and an empty one per K / V slot, 8 bytes each,
+    rounded up to 16). Mirrors ``kSmemBytes`` in the kernel, for both panel layouts (the wgmma one adds no
+    padding: every tile is a multiple of 1024 bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES``
+    against ``CUFLASH_CHECK_SMEM_BYTES``)."""
     bias_bytes = stages * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
-    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n) + bias_bytes
+    barrier_bytes = _cdiv((1 + 4 * stages) * 8, 16) * 16 if mainloop == MAINLOOP_SM90_WS else 0
+    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n) + bias_bytes + barrier_bytes
 
 
 def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False, bias: bool = False) -> tuple:
@@ -209,29 +235,81 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
     raise ValueError(f"no wgmma tile for head-dim bucket {head_dim_bucket}; the mma.sync path serves it")
 
 
+def tile_sm90_ws(head_dim_bucket: int, bias: bool = False) -> tuple:
+    """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the two
+    consumer warpgroups (8 warps x 16 rows, kBlockM = 128); the producer warpgroup comes on top (384
+    threads, one CTA per SM). The consumers hold 232 registers each after the hand-over (setmaxnreg),
+    more than the 8-warp wgmma mainloop's CTA-wide budget needs at these tiles; the ring takes what shared
+    memory is left, up to 227 KB per block.
+    """
+    if head_dim_bucket == 64:
+        # acc 32 + S 64 + P 32: 128 keys. Q 16 KB + 3 x (K + V) 96 KB = 112 KB.
+        return 128, 128, 8, 3
+    if head_dim_bucket == 128:
+        # As the 8-warp wgmma mainloop (the bias on 64 keys, whose pairs ptxas hoists ahead of the softmax).
+        # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).
+        return (128, 64, 8, 2) if bias else (128, 128, 8, 2)
+    if head_dim_bucket == 256:
+        # acc 128 + S 32 + P 16: 64 keys. Q 64 KB + 2 x (K + V) 128 KB = 192 KB.
+        return 128, 64, 8, 2
+    raise ValueError(f"no warp-specialized tile for head-dim bucket {head_dim_bucket}")
+
+
 def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
-    """True where the plan picks the sm_90a wgmma mainloop (Hopper only: sm_100 has no wgmma)."""
+    """True where the plan picks an sm_90a wgmma mainloop (Hopper only: sm_100 has no wgmma)."""
     return arch_caps(arch).has_wgmma and head_dim_bucket in WGMMA_BUCKETS
 
 
-def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0) -> KernelVariant:
+def default_mainloop(arch: int, head_dim_bucket: int, mask: int = 0, score_mod: int = 0) -> int:
+    """The mainloop a plan picks: on sm_90a the warp-specialized one where :func:`ws_fits` (its consumers'
+    232 registers hold the variant without spilling), else the 8-warp wgmma one at WGMMA_BUCKETS (not D256
+    with a bias: Q, two K / V stages and two 128 x 64 bias tiles need 228 KB), else mma.sync."""
+    if not arch_caps(arch).has_wgmma:
+        return MAINLOOP_SM80
+    if ws_fits(head_dim_bucket, mask, score_mod):
+        return MAINLOOP_SM90_WS
+    if head_dim_bucket in WGMMA_BUCKETS and not (head_dim_bucket == 256 and has_bias(score_mod)):
+        return MAINLOOP_SM90
+    return MAINLOOP_SM80
+
+
+def ws_fits(head_dim_bucket: int, mask: int, score_mod: int) -> bool:
+    """Whether the warp-specialized variant compiles without spills (ptxas 13.0 / NVRTC 13.5, sm_90a,
+    session 7): the plain, causal and general (window / ids) masks with softcap / ALiBi or nothing, at D64 and
+    D128; at D256 the plain and causal masks without a modifier. The rest spilled: a staged bias 136-1104
+    bytes (its tile addressing on top of the accumulators), the bool mask and dropout 8-156, D256 with the
+    general mask or a modifier 4-148."""
+    if head_dim_bucket not in WS_BUCKETS or mask not in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL):
+        return False
+    if head_dim_bucket == 256:
+        return mask in (MASK_NONE, MASK_CAUSAL) and score_mod == MOD_NONE
+    return score_mod in (MOD_NONE, MOD_SOFTCAP_ALIBI)
+
+
+def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0,
+            mainloop: int | None = None) -> KernelVariant:
+    """The forward variant of a problem; ``mainloop`` (None: :func:`default_mainloop`) forces one, for A/B runs."""
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
         raise ValueError(f"{head_dim_bucket=} is not one of {HEAD_DIM_BUCKETS}")
     bias = has_bias(score_mod)
-    # D256 with a bias: Q, two K / V stages and two 128 x 64 bias tiles need 228 KB, more than a block has.
-    wgmma = uses_wgmma(arch, head_dim_bucket) and not (bias and head_dim_bucket == 256)
-    if wgmma:
-        block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, has_bias(score_mod))
+    if mainloop is None:
+        mainloop = default_mainloop(arch, head_dim_bucket, int(mask), score_mod)
+    if mainloop != MAINLOOP_SM80 and not arch_caps(arch).has_wgmma:
+        raise ValueError(f"the wgmma mainloops need sm_90a; got {arch=}")
+    if mainloop == MAINLOOP_SM90_WS:
+        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias)
+    elif mainloop == MAINLOOP_SM90:
+        block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, bias)
     else:
         block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, mask != 0, is_general(mask) or score_mod != 0,
                                                     has_bias(score_mod))
-    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias)
+    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias, mainloop)
     per_block = arch_caps(arch).smem_per_block
     # The bias tiles on top of a table tile chosen without them: shed K / V stages, then keys, until it fits
     # (A100 D192 128 x 64: 2 stages 184 KB, 1 stage 138 KB; the 99 KB parts' larger head dims).
-    while bias and not wgmma and smem > per_block and (stages > 1 or block_n > 16):
+    while bias and mainloop == MAINLOOP_SM80 and smem > per_block and (stages > 1 or block_n > 16):
         if stages > 1:
             stages -= 1
         else:
@@ -240,8 +318,8 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     if smem > per_block:  # a tile-table edit that breaks the arch's limit fails here, on the CPU
         raise AssertionError(f"{KERNEL_NAME} D{head_dim_bucket} {block_m}x{block_n}x{stages} needs "
                              f"{smem=} > {per_block} on sm_{arch}")
-    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(mask), int(score_mod), wgmma)
-    return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem)
+    config = FwdConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(mask), int(score_mod), mainloop)
+    return KernelVariant(SOURCE, KERNEL_NAME, config, config.threads, smem)
 
 
 def plan_forward(shape: ProblemShape, arch: int) -> Plan:
