@@ -74,6 +74,7 @@ def main() -> None:
     device = cp.cuda.runtime.getDevice()
     arch = int(launch.compute_capability(device))
     stream = cp.cuda.get_current_stream()
+    num_sms = launch.multiprocessor_count(device)
     variants = {(d, c, m): fwd.variant("bfloat16", d, int(c), arch, 0, mainloop=m)
                 for d in args.dims for c in (False, True) for m in mainloops_for(arch, d)}
     build.precompile(build.arch_of_compute_capability(arch), list(variants.values()))
@@ -94,7 +95,7 @@ def main() -> None:
                     descs = [describe_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
                     params = launch.make_params(shape, head_dim ** -0.5, *descs)
                     var = variants[(head_dim, causal, m)]
-                    plan = Plan((Launch(var, (-(-seqlen // var.config.block_m), heads, batch)),))
+                    plan = Plan((Launch(var, fwd.grid_for(var.config, shape, num_sms)),))
                     ms = median_ms(lambda: launch.run(plan, params, device, stream), args.reps)
                     o32 = out.astype(cp.float32)
                     nan = bool(cp.isnan(o32).any() | cp.isnan(lse).any())

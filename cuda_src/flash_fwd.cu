@@ -56,6 +56,62 @@ using FwdMainloopOf = conditional_t<kMainloop == kMainloopSm90Ws, FwdMainloopSm9
 // Threads of a block: kNWarps compute warps, plus the producer warpgroup of the warp-specialized mainloop.
 __host__ __device__ constexpr int fwd_threads(int mainloop, int n_warps) { return n_warps * 32 + (mainloop == kMainloopSm90Ws ? 128 : 0); }
 
+// The warp-specialized kernel's body: the persistent tile loop of both roles (fwd_mainloop_sm90_ws.cuh).
+// The per-tile steps are the kernel's below: sequence info, key blocks, mainloop, epilogue.
+template <typename Cfg, typename Mainloop, typename Epilogue>
+__device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned smem_q) {
+    constexpr int kMask = Cfg::kMask, kBlockM = Cfg::kBlockM;
+    const FwdTiles tiles(params, kBlockM);
+    Mainloop::init_barriers(smem_q);
+    __syncthreads();
+    FwdWsRing ring;
+    if (threadIdx.x < Mainloop::kProducerThreads) {
+        sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
+        for (int t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+            int m_block, h, b;
+            tiles.at(t, kMask != kNoMask, m_block, h, b);
+            const SeqInfo seq(params, b, h, LayoutOf<kMask>());
+            const int row_begin = m_block * kBlockM;
+            if (row_begin >= seq.seqlen_q) continue;
+            const typename Cfg::Mask mask(params, seq);
+            const typename Cfg::Blocks blocks(mask, m_block);
+            if (blocks.empty()) continue;  // the consumers store it
+            const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, 0);
+            mainloop.produce(params, seq, ring);
+        }
+        Mainloop::flush(ring);
+    } else {
+        sm90::setmaxnreg_inc<Mainloop::kConsumerRegisters>();
+        const int tid = threadIdx.x - Mainloop::kProducerThreads;
+        const int warp_row0 = tid / 32 * Cfg::kWarpRows;
+        Mainloop::start_turns(warp_row0);
+        for (int t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+            int m_block, h, b;
+            tiles.at(t, kMask != kNoMask, m_block, h, b);
+            const SeqInfo seq(params, b, h, LayoutOf<kMask>());
+            const int row_begin = m_block * kBlockM;
+            if (row_begin >= seq.seqlen_q) continue;
+            const typename Cfg::Mask mask(params, seq);
+            const typename Cfg::Blocks blocks(mask, m_block);
+            if (blocks.empty()) {  // no row of this block sees any key
+                Epilogue::template store_empty<kBlockM, Mainloop::kConsumerThreads>(params, seq, row_begin, tid);
+                continue;
+            }
+            float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
+            clear(acc_o);
+            OnlineSoftmax<Cfg::kMTiles> softmax;
+            const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
+            mainloop.run(params, seq, acc_o, softmax, ring);
+            float lse[Cfg::kMTiles][2];
+            softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
+            if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_o, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
+            Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, mainloop.smem_o());
+            mainloop.release_q();
+        }
+        Mainloop::end_turns(warp_row0);
+    }
+}
+
 // kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier (score_mod.cuh) instead of none.
 // kMainloop: a FwdMainloopKind. The block-per-SM minimum of 1 gives the warp-specialized kernel the register cap
 // at entry that setmaxnreg needs (168 for 384 threads); the others keep none (0): with 1, ptxas allocated
@@ -75,46 +131,33 @@ __global__ void __launch_bounds__(fwd_threads(kMainloop, kNWarps), kMainloop == 
     const unsigned smem_q = sm80::smem_addr(smem);
     Mainloop::check_smem(smem_q);
 
-    const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // masks: longest first
-    const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
-    const int row_begin = m_block * kBlockM;
-    if (row_begin >= seq.seqlen_q) return;  // past a shorter packed sequence (the grid covers the longest)
-    constexpr bool kWarpSpecialized = kMainloop == kMainloopSm90Ws;
-    // This warp's first row within the block (the warp-specialized consumers count from the producer's end).
-    const int warp_row0 = kWarpSpecialized ? (int(threadIdx.x) - kThreads + Cfg::kThreads) / 32 * Cfg::kWarpRows
-                                           : threadIdx.x / 32 * Cfg::kWarpRows;
+    if constexpr (kMainloop == kMainloopSm90Ws) {
+        flash_fwd_ws<Cfg, Mainloop, Epilogue>(params, smem_q);
+    } else {
+        const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // masks: longest first
+        const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());
+        const int row_begin = m_block * kBlockM;
+        if (row_begin >= seq.seqlen_q) return;  // past a shorter packed sequence (the grid covers the longest)
+        const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;  // this warp's first row within the block
 
-    const typename Cfg::Mask mask(params, seq);
-    const typename Cfg::Blocks blocks(mask, m_block);
-    if (blocks.empty()) {  // no row of this block sees any key
-        Epilogue::template store_empty<kBlockM>(params, seq, row_begin);
-        return;
-    }
-
-    float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
-    OnlineSoftmax<Cfg::kMTiles> softmax;
-    if constexpr (kWarpSpecialized) {
-        const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
-        mainloop.init_barriers();
-        __syncthreads();
-        if (threadIdx.x < Mainloop::kProducerThreads) {
-            sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
-            mainloop.produce(params, seq);
+        const typename Cfg::Mask mask(params, seq);
+        const typename Cfg::Blocks blocks(mask, m_block);
+        if (blocks.empty()) {  // no row of this block sees any key
+            Epilogue::template store_empty<kBlockM>(params, seq, row_begin);
             return;
         }
-        sm90::setmaxnreg_inc<Mainloop::kConsumerRegisters>();
+
+        float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
         clear(acc_o);
-        mainloop.run(params, seq, acc_o, softmax);
-    } else {
-        clear(acc_o);
+        OnlineSoftmax<Cfg::kMTiles> softmax;
         Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
         mainloop.run(params, seq, acc_o, softmax);
-    }
 
-    float lse[Cfg::kMTiles][2];
-    softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
-    if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_o, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
-    Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, smem_q);
+        float lse[Cfg::kMTiles][2];
+        softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);
+        if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_o, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
+        Epilogue::store(params, seq, acc_o, lse, row_begin, warp_row0, smem_q);
+    }
 }
 
 }  // namespace cuflash

@@ -61,7 +61,7 @@ def multiprocessor_count(device_id: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def forward_plan(shape: ProblemShape, device_id: int) -> Plan:
-    return kernels.plan_forward(shape, int(compute_capability(device_id)))
+    return kernels.plan_forward(shape, int(compute_capability(device_id)), num_sms=multiprocessor_count(device_id))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -18,6 +18,7 @@ written" and "no NaN" are checked everywhere; the tolerance rule is gpu_utils' m
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -209,15 +210,13 @@ def test_every_forward_mainloop(p, mainloop, monkeypatch):
     if kind == forward.MAINLOOP_SM90 and p.D not in forward.WGMMA_BUCKETS:
         pytest.skip(f"no 8-warp wgmma tile for D{p.D}")
     monkeypatch.setattr(forward, "default_mainloop", lambda *args, **kwargs: kind)
-    launch.forward_plan.cache_clear()
+    # a plan cache of its own for the test (the patched choice must neither read nor leave cached plans)
+    monkeypatch.setattr(launch, "forward_plan", functools.lru_cache(maxsize=64)(launch.forward_plan.__wrapped__))
     monkeypatch.setattr(api, "_forward_plans", {})
     monkeypatch.setattr(api, "_backward_plans", {})
-    try:
-        shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
-        assert launch.forward_plan(shape, 0).launches[-1].variant.config.mainloop == kind
-        gu.check_attention(p)
-    finally:
-        launch.forward_plan.cache_clear()
+    shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
+    assert launch.forward_plan(shape, 0).launches[-1].variant.config.mainloop == kind
+    gu.check_attention(p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

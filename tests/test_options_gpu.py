@@ -17,6 +17,7 @@ NaN-poisoned buffers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -136,9 +137,18 @@ def test_bool_mask(p):
     gu.check_attention(p)
 
 
-def test_bool_mask_all_false_and_all_true():
+def test_bool_mask_all_false_and_all_true(monkeypatch):
     """A mask with nothing visible: out 0, lse -inf, every gradient 0; an all-True mask: bit-identical to
-    segment ids that always match (the same general-mask kernel, the same full / partial tiles)."""
+    segment ids that always match (the same general-mask kernel, the same full / partial tiles; both on the
+    mma.sync mainloop, which serves either kind, where sm_90a would give the ids the warp-specialized one)."""
+    from cuflash import api, launch
+    from cuflash.kernels import forward
+
+    monkeypatch.setattr(forward, "default_mainloop", lambda *args, **kwargs: forward.MAINLOOP_SM80)
+    # a plan cache of its own for the test (the patched choice must neither read nor leave cached plans)
+    monkeypatch.setattr(launch, "forward_plan", functools.lru_cache(maxsize=64)(launch.forward_plan.__wrapped__))
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
     p = Problem("bf16", B=2, Sq=130, Sk=200, H=4, Hkv=2, D=64, causal=True, deterministic=True)
     x = gu.make_inputs(p)
     none = cupy.zeros((p.B, 1, p.Sq, p.Sk), dtype=bool)

@@ -70,13 +70,16 @@ struct FwdEpilogue {
         }
     }
 
-    // A query block that sees no key at all: O = 0 (16-byte stores) and lse = -inf for its valid rows.
-    template <int kBlockM>
-    static __device__ __forceinline__ void store_empty(const AttnParams& params, const SeqInfo& seq, int row_begin) {
+    // A query block that sees no key at all: O = 0 (16-byte stores) and lse = -inf for its valid rows, by
+    // kStoreThreads threads, this one being number tid (the whole block, or the consumer warpgroups of the
+    // warp-specialized mainloop).
+    template <int kBlockM, int kStoreThreads = kThreads>
+    static __device__ __forceinline__ void store_empty(const AttnParams& params, const SeqInfo& seq, int row_begin,
+                                                       int tid = threadIdx.x) {
         constexpr int kChunksPerRow = QTile::kCols / kChunkElems;
         const int rows_valid = seq.seqlen_q - row_begin;
         Elem* o = seq.o<Elem>(params, row_begin);
-        for (int idx = threadIdx.x; idx < kBlockM * kChunksPerRow; idx += kThreads) {
+        for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kStoreThreads) {
             const int row = idx / kChunksPerRow;
             const int col = idx % kChunksPerRow * kChunkElems;
             if (row < rows_valid && col < params.head_dim_v) {
@@ -85,7 +88,7 @@ struct FwdEpilogue {
         }
         float* lse = seq.lse(params, row_begin);
         if (lse != nullptr) {
-            for (int row = threadIdx.x; row < kBlockM; row += kThreads) {
+            for (int row = tid; row < kBlockM; row += kStoreThreads) {
                 if (row < rows_valid) lse[row] = -INFINITY;
             }
         }

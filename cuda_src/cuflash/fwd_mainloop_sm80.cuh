@@ -93,10 +93,11 @@ struct FwdLoads {
     __device__ __forceinline__ unsigned bias_slot(int j) const {
         return smem_v + kSlots * KVTile::kBytes + unsigned(j % kSlots) * Cfg::kBiasSlotBytes;
     }
-    // Step j's staged bias tile, or none (not staged: the modifier reads the bias directly).
-    __device__ __forceinline__ BiasTileRef bias_tile(int j, int n) const {
+    // Step j's staged bias tile, or none (not staged: the modifier reads the bias directly). ring_j: the
+    // step's position in a ring that runs across tiles (the persistent mainloop), j otherwise.
+    __device__ __forceinline__ BiasTileRef bias_tile(int ring_j, int n) const {
         if (Cfg::kBias && params.bias_staged) {
-            return BiasTileRef{bias_slot(j), row_begin, n * Cfg::kBlockN, Cfg::BiasTileT::kPitch};
+            return BiasTileRef{bias_slot(ring_j), row_begin, n * Cfg::kBlockN, Cfg::BiasTileT::kPitch};
         }
         return BiasTileRef::none();
     }
@@ -105,23 +106,27 @@ struct FwdLoads {
         load_tile<QTile, kLoadThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
                                                          seq.seqlen_q, params.head_dim, params.q);
     }
-    __device__ __forceinline__ void load_k(int j) const {
+    // Step j's K (and bias) / V tiles into slot ring_j % kSlots (ring_j = j but in the persistent mainloop).
+    __device__ __forceinline__ void load_k(int j, int ring_j) const {
         if constexpr (Cfg::kBias) {
             if (j < blocks.count() && params.bias_staged) {
-                Cfg::BiasTileT::template copy<kLoadThreads>(bias_slot(j), params, b, h, row_begin,
+                Cfg::BiasTileT::template copy<kLoadThreads>(bias_slot(ring_j), params, b, h, row_begin,
                                                              blocks.block(j) * Cfg::kBlockN, threadIdx.x);
             }
         }
-        load_step(j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
+        load_step(j, ring_j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
     }
-    __device__ __forceinline__ void load_v(int j) const {
-        load_step(j, smem_v, v_src, params.v_row_stride, params.head_dim_v, params.v);
+    __device__ __forceinline__ void load_v(int j, int ring_j) const {
+        load_step(j, ring_j, smem_v, v_src, params.v_row_stride, params.head_dim_v, params.v);
     }
-    // Step j's key block of K or V (src, its row stride, valid columns, the tensor's base) into slot j % kSlots.
-    __device__ __forceinline__ void load_step(int j, unsigned smem, const Elem* src, long long row_stride, int cols,
-                                              const void* base) const {
+    __device__ __forceinline__ void load_k(int j) const { load_k(j, j); }
+    __device__ __forceinline__ void load_v(int j) const { load_v(j, j); }
+    // Step j's key block of K or V (src, its row stride, valid columns, the tensor's base) into slot
+    // ring_j % kSlots.
+    __device__ __forceinline__ void load_step(int j, int ring_j, unsigned smem, const Elem* src, long long row_stride,
+                                              int cols, const void* base) const {
         if (j < blocks.count()) {
-            load_tile<KVTile, kLoadThreads, Cfg::kFastLoads>(smem + (j % kSlots) * KVTile::kBytes, src, row_stride,
+            load_tile<KVTile, kLoadThreads, Cfg::kFastLoads>(smem + (ring_j % kSlots) * KVTile::kBytes, src, row_stride,
                                                               blocks.block(j) * Cfg::kBlockN, seqlen_k, cols,
                                                               base);
         }
@@ -149,11 +154,13 @@ struct FwdWork {
 
     // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where
     // invisible (the per-element test only on warp tiles that can need it).
+    // ring_j: the step's position in the load ring (bias slot), j but in the persistent mainloop.
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {
+    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n,
+                                                    int ring_j) const {
         const int warp_row_begin = row_begin + warp_row0;
         if constexpr (Cfg::kBias) {
-            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(j, n));
+            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(ring_j, n));
         } else {
             mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
         }
@@ -167,6 +174,10 @@ struct FwdWork {
             maybe_hidden = mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN);
         }
         if (maybe_hidden) mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+    }
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {
+        modify_and_mask(acc_s, j, n, j);
     }
 
     // After the softmax's exponentials (the row sums hold every probability): dropout's zeros, key block n.

@@ -1,35 +1,62 @@
 // The warp-specialized sm_90a forward mainloop: a producer warpgroup loads, two consumer warpgroups
-// compute, and the consumers take turns on the tensor cores (FlashAttention-3's ping-pong).
+// compute, and the consumers take turns on the tensor cores (FlashAttention-3's ping-pong). The kernel is
+// persistent: each CTA walks query-block tiles (FwdTiles) and the pipeline runs on across them, so the
+// next tile's Q and first K / V tiles load while the consumers finish the current one.
 //
 // Roles. Warpgroup 0 (threads 0-127) is the producer: it copies Q, then K_j and V_j of every visible key
 // block into a kStages-slot ring (cp.async through the shared FwdLoads, so strides, tails, packed
 // sequences and staged bias tiles load exactly as in the other mainloops), and gives most of its
 // registers to the consumers (setmaxnreg). Warpgroups 1 and 2 own query rows 0-63 and 64-127 of the
-// block, each running FwdMainloopSm90's step on its own (S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} issued as
+// tile, each running FwdMainloopSm90's step on its own (S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} issued as
 // one turn, the softmax of S_j under P.V_{j-1}), with the accumulator contract of the other mainloops, so
 // the mask, score modifiers, dropout, softmax and epilogue are the shared ones.
 //
-// Synchronization (cuflash/pipeline_sm90.cuh), slot s = j % kStages:
+// Synchronization (cuflash/pipeline_sm90.cuh). FwdWsRing counts the tiles and the K / V steps this CTA
+// has been through; step r of the ring uses slot r % kStages, and phase parity (r / kStages) & 1:
 //   q_full, k_full[s], v_full[s]   producer -> consumers, 128 arrivals (every producer thread, once its
 //                                  own copies of the tile landed: cp.async.wait_group, then
 //                                  fence.proxy.async so the async proxy (wgmma) sees them, then arrive);
-//   k_empty[s], v_empty[s]         consumers -> producer, 256 arrivals (every consumer thread, once its
-//                                  wgmma reading the slot has completed: K_j after S_j, V_j after P.V_j).
-// The producer issues K_0 (with Q), then K_j, V_{j-1} for j = 1 .. n-1, then V_{n-1}: the order the
-// consumers use them. It keeps one tile in flight while publishing the one before (wait_group 1), and
-// waits on a slot's empty barrier before reusing it; no wait depends on a tile not yet published, so the
-// ring cannot deadlock for kStages >= 2.
+//   k_empty[s], v_empty[s], q_empty   consumers -> producer, 256 arrivals (every consumer thread, once its
+//                                  wgmma reading the slot has completed: K_j after S_j, V_j after P.V_j,
+//                                  Q after the tile's last S, or after the epilogue when it stages O in Q's
+//                                  shared memory).
+// Per tile the producer issues Q, K_0, then K_j, V_{j-1} for j = 1 .. n-1, then V_{n-1}: the order the
+// consumers use them, one cp.async group each. It keeps one group in flight while publishing the one before
+// (wait_group 1), flushes at a tile's end, and waits on a slot's empty barrier before reusing it. No wait
+// depends on a tile not yet published, so the ring cannot deadlock for kStages >= 2.
 // Ping-pong: named barrier kSchedBarrier + g is warpgroup g's turn. A turn is the issue of one step's
-// wgmma batches; g syncs on its barrier before issuing and arrives on the other's after, and warpgroup 1
-// gives warpgroup 0 the first turn, so the two alternate and each one's softmax runs while the other's
-// GEMMs occupy the tensor cores. Both see the same n + 1 turns (n = blocks.count()); warpgroup 1 skips its
-// last hand-over, which nobody would take, so both named barriers end balanced.
+// wgmma batches; g syncs on its barrier before issuing and arrives on the other's after. Warpgroup 1 gives
+// warpgroup 0 the first turn at the start, and warpgroup 0 takes one turn-less sync at the end, which
+// absorbs warpgroup 1's last hand-over: both named barriers end balanced whatever the tiles were.
 #pragma once
 
 #include "cuflash/fwd_mainloop_sm90.cuh"
 #include "cuflash/pipeline_sm90.cuh"
 
 namespace cuflash {
+
+// The tiles of a persistent launch: (query block, head, batch), query blocks of one (batch, head) adjacent
+// (the order of the one-CTA-per-tile grid, which keeps a head's K / V in L2 while its blocks run); the
+// masks' longest-first order within each head. CTA c takes tiles c, c + gridDim.x, ...
+struct FwdTiles {
+    int num_m, num_heads, count;
+    __device__ __forceinline__ FwdTiles(const AttnParams& p, int block_m)
+        : num_m((p.seqlen_q + block_m - 1) / block_m), num_heads(p.num_heads), count(num_m * p.num_heads * p.batch) {}
+    __device__ __forceinline__ void at(int tile, bool longest_first, int& m_block, int& h, int& b) const {
+        const int m_idx = tile % num_m, hb = tile / num_m;
+        m_block = longest_first ? num_m - 1 - m_idx : m_idx;
+        h = hb % num_heads;
+        b = hb / num_heads;
+    }
+};
+
+// Where the pipeline stands: tiles with work and K / V steps so far (the same count on both sides).
+struct FwdWsRing {
+    int tiles = 0;
+    int steps = 0;
+    unsigned in_flight = 0;  // producer: the full barrier of the group issued last, not yet published
+    bool pending = false;
+};
 
 template <typename Cfg>
 struct FwdMainloopSm90Ws
@@ -38,12 +65,16 @@ struct FwdMainloopSm90Ws
     static constexpr int kProducerThreads = 128;
     static constexpr int kConsumerThreads = Cfg::kThreads;  // two warpgroups of 16-row warps
     static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-    // Registers per thread after the hand-over: 128 x 40 + 256 x 232 = 64512 of the SM's 65536. At entry
-    // every thread has 168 (the __launch_bounds__ cap of 384 threads, one block per SM).
-    static constexpr int kProducerRegisters = 40;
-    static constexpr int kConsumerRegisters = 232;
+    // Registers per thread after the hand-over: the launch gives every thread 168 (the __launch_bounds__ cap
+    // of 384 threads, one block per SM), 64512 in all, which the hand-over splits: 128 x 56 + 256 x 224, or
+    // at D256 (acc_o alone is 128 registers) 128 x 40 + 256 x 232. ptxas 13.0: the producer's tile loop spills
+    // 16 bytes at 40 (D64), the D256 consumers 12 at 224; 24 / 240 spilled in the producer's copies.
+    static constexpr int kConsumerRegisters = Cfg::kHeadDim == 256 ? 232 : 224;
+    static constexpr int kProducerRegisters = (168 * 384 - kConsumerRegisters * 256) / 128;
+    static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
     static constexpr int kSchedBarrier = 1;      // named barriers 1, 2: the consumers' turns
     static constexpr int kWarpgroupBarrier = 3;  // named barriers 3, 4: one consumer warpgroup's threads
+    static constexpr int kProducerBarrier = 5;   // the producer warpgroup's threads
 
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
@@ -52,11 +83,17 @@ struct FwdMainloopSm90Ws
     static constexpr int kStages = Cfg::kStages;
     static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
     static constexpr int kBlockN = Cfg::kBlockN;
-    // The mbarriers after the tiles: q_full, then k_full, v_full, k_empty, v_empty of every slot.
-    static constexpr int kBarriers = 1 + 4 * kStages;
+    // Shared memory: the loads' tiles (Q, the K / V ring, bias slots), then where it fits a tile of its own
+    // for staging O (else the epilogue stages O in Q's tile, and Q is released only after it), then the
+    // mbarriers: q_full, q_empty, then k_full, v_full, k_empty, v_empty of every slot.
+    static constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
+    static constexpr int kBarriers = 2 + 4 * kStages;
     static constexpr int kBarrierBytes = (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
-    static constexpr int kSmemBytes = Loads::kSmemBytes + kBarrierBytes;
-    static_assert(Loads::kSmemBytes % 8 == 0, "mbarriers are 8-byte aligned");
+    static constexpr bool kSeparateO = Loads::kSmemBytes + QTile::kBytes + kBarrierBytes <= kMaxSmemBytes;
+    static constexpr int kOffO = Loads::kSmemBytes;
+    static constexpr int kOffBarriers = Loads::kSmemBytes + (kSeparateO ? QTile::kBytes : 0);
+    static constexpr int kSmemBytes = kOffBarriers + kBarrierBytes;
+    static_assert(Loads::kSmemBytes % 16 == 0, "the O tile and the mbarriers need 16-byte alignment");
     static_assert(Cfg::kNWarps == 8 && Cfg::kWarpRows == 16 && Cfg::kHeadDim % 64 == 0 && kBlockN % 64 == 0 &&
                       kBlockN <= 256 && Cfg::kHeadDim <= 256,
                   "two consumer warpgroups of 16-row warps, 64-column panels and N <= 256");
@@ -72,127 +109,161 @@ struct FwdMainloopSm90Ws
 
     using FwdWork<Cfg, Loads>::FwdWork;
 
-    __device__ __forceinline__ unsigned barrier(int index) const {
-        return this->smem_q + Loads::kSmemBytes + index * sm90::kMbarrierBytes;
+    static __device__ __forceinline__ unsigned barrier(unsigned smem, int index) {
+        return smem + kOffBarriers + index * sm90::kMbarrierBytes;
     }
-    __device__ __forceinline__ unsigned q_full() const { return barrier(0); }
-    __device__ __forceinline__ unsigned k_full(int j) const { return barrier(1 + j % kStages); }
-    __device__ __forceinline__ unsigned v_full(int j) const { return barrier(1 + kStages + j % kStages); }
-    __device__ __forceinline__ unsigned k_empty(int j) const { return barrier(1 + 2 * kStages + j % kStages); }
-    __device__ __forceinline__ unsigned v_empty(int j) const { return barrier(1 + 3 * kStages + j % kStages); }
-    // The parity of the phase that step j's use of its slot completes.
-    static __device__ __forceinline__ int parity(int j) { return (j / kStages) & 1; }
-    static __device__ __forceinline__ unsigned slot(int j) { return unsigned(j % kStages) * Tile::kBytes; }
+    __device__ __forceinline__ unsigned q_full() const { return barrier(this->smem_q, 0); }
+    __device__ __forceinline__ unsigned q_empty() const { return barrier(this->smem_q, 1); }
+    __device__ __forceinline__ unsigned k_full(int r) const { return barrier(this->smem_q, 2 + r % kStages); }
+    __device__ __forceinline__ unsigned v_full(int r) const { return barrier(this->smem_q, 2 + kStages + r % kStages); }
+    __device__ __forceinline__ unsigned k_empty(int r) const { return barrier(this->smem_q, 2 + 2 * kStages + r % kStages); }
+    __device__ __forceinline__ unsigned v_empty(int r) const { return barrier(this->smem_q, 2 + 3 * kStages + r % kStages); }
+    // The parity of the phase that ring step r's use of its slot completes.
+    static __device__ __forceinline__ int parity(int r) { return (r / kStages) & 1; }
+    static __device__ __forceinline__ unsigned slot(int r) { return unsigned(r % kStages) * Tile::kBytes; }
+    // Where the epilogue stages O.
+    __device__ __forceinline__ unsigned smem_o() const { return kSeparateO ? this->smem_q + kOffO : this->smem_q; }
 
     // Thread 0 sets up the barriers; the kernel's __syncthreads publishes them before the roles split.
-    __device__ __forceinline__ void init_barriers() const {
+    static __device__ __forceinline__ void init_barriers(unsigned smem) {
         if (threadIdx.x == 0) {
-            sm90::mbarrier_init(q_full(), kProducerThreads);
+            sm90::mbarrier_init(barrier(smem, 0), kProducerThreads);
+            sm90::mbarrier_init(barrier(smem, 1), kConsumerThreads);
             for (int s = 0; s < kStages; ++s) {
-                sm90::mbarrier_init(k_full(s), kProducerThreads);
-                sm90::mbarrier_init(v_full(s), kProducerThreads);
-                sm90::mbarrier_init(k_empty(s), kConsumerThreads);
-                sm90::mbarrier_init(v_empty(s), kConsumerThreads);
+                sm90::mbarrier_init(barrier(smem, 2 + s), kProducerThreads);
+                sm90::mbarrier_init(barrier(smem, 2 + kStages + s), kProducerThreads);
+                sm90::mbarrier_init(barrier(smem, 2 + 2 * kStages + s), kConsumerThreads);
+                sm90::mbarrier_init(barrier(smem, 2 + 3 * kStages + s), kConsumerThreads);
             }
         }
     }
 
     // -------------------------------------------------------------------------------------- producer
-    // This thread's copies of the tile before the one just issued have landed: show them to the async
-    // proxy and count them in.
-    static __device__ __forceinline__ void publish_previous(unsigned full) {
-        sm80::cp_async_wait<1>();
-        sm90::fence_proxy_async();
-        sm90::mbarrier_arrive(full);
+    // This thread's copies of the group before the one just issued have landed: show them to the async
+    // proxy and count them in; the group just issued becomes the pending one.
+    static __device__ __forceinline__ void publish_previous(FwdWsRing& ring, unsigned next_full) {
+        if (ring.pending) {
+            sm80::cp_async_wait<1>();
+            sm90::fence_proxy_async();
+            sm90::mbarrier_arrive(ring.in_flight);
+        }
+        ring.in_flight = next_full;
+        ring.pending = true;
+    }
+    // Publishes the pending group (a tile's last V): before waiting for the consumers, whose progress may
+    // need it, and at the end.
+    static __device__ __forceinline__ void flush(FwdWsRing& ring) {
+        if (ring.pending) {
+            sm80::cp_async_wait<0>();
+            sm90::fence_proxy_async();
+            sm90::mbarrier_arrive(ring.in_flight);
+            ring.pending = false;
+        }
     }
 
-    __device__ __forceinline__ void produce(const AttnParams& params, const SeqInfo& seq) const {
-        const int n = this->blocks.count();
+    // One tile's loads.
+    __device__ __forceinline__ void produce(const AttnParams& params, const SeqInfo& seq, FwdWsRing& ring) const {
+        const int n = this->blocks.count(), r0 = ring.steps;
+        flush(ring);
+        if (ring.tiles > 0) sm90::mbarrier_wait(q_empty(), (ring.tiles - 1) & 1);  // the last tile's Q is free
         this->loads.load_q(this->smem_q, seq, this->row_begin);
-        this->loads.load_k(0);  // one group: Q and K_0
-        sm80::cp_async_wait<0>();
+        sm80::cp_async_commit();
+        if (r0 >= kStages) sm90::mbarrier_wait(k_empty(r0), parity(r0) ^ 1);
+        this->loads.load_k(0, r0);
+        // Q: its group is the one before K_0's. A negative scale flips its sign first (every producer thread's
+        // copies of Q landed: each waits for its own, then the warpgroup meets).
+        sm80::cp_async_wait<1>();
         if (!Cfg::ScoreMod::kScaled && params.scale < 0.f) {
-            sm90::named_barrier_sync(kWarpgroupBarrier + 2, kProducerThreads);  // Q landed for every producer thread
+            sm90::named_barrier_sync(kProducerBarrier, kProducerThreads);
             negate_q_if_needed<QTile, kProducerThreads, typename Cfg::ScoreMod>(params, this->smem_q);
         }
         sm90::fence_proxy_async();
         sm90::mbarrier_arrive(q_full());
-        sm90::mbarrier_arrive(k_full(0));
+        ring.in_flight = k_full(r0);
+        ring.pending = true;
 
-        unsigned in_flight = 0;  // the full barrier of the tile issued last, not yet published
-        bool pending = false;
         for (int j = 1; j <= n; ++j) {
+            const int r = r0 + j;
             if (j < n) {
-                if (j >= kStages) sm90::mbarrier_wait(k_empty(j), parity(j) ^ 1);  // S_{j - kStages} done
-                this->loads.load_k(j);
-                if (pending) publish_previous(in_flight);
-                in_flight = k_full(j);
-                pending = true;
+                if (r >= kStages) sm90::mbarrier_wait(k_empty(r), parity(r) ^ 1);  // S of ring step r - kStages done
+                this->loads.load_k(j, r);
+                publish_previous(ring, k_full(r));
             }
-            if (j - 1 >= kStages) sm90::mbarrier_wait(v_empty(j - 1), parity(j - 1) ^ 1);  // P.V_{j-1-kStages} done
-            this->loads.load_v(j - 1);
-            if (pending) publish_previous(in_flight);
-            in_flight = v_full(j - 1);
-            pending = true;
+            if (r - 1 >= kStages) sm90::mbarrier_wait(v_empty(r - 1), parity(r - 1) ^ 1);  // its P.V done
+            this->loads.load_v(j - 1, r - 1);
+            publish_previous(ring, v_full(r - 1));
         }
-        sm80::cp_async_wait<0>();
-        sm90::fence_proxy_async();
-        sm90::mbarrier_arrive(in_flight);
+        ring.steps += n;
+        ring.tiles += 1;
     }
 
     // -------------------------------------------------------------------------------------- consumers
-    // Step j's S = Q.K_j^T (one wgmma batch) for the warpgroup's 64 Q rows.
-    __device__ __forceinline__ void issue_s(float (&acc_s)[kMTiles][kNTiles][4], int j) const {
-        const int wg_row0 = this->warp_row0 / 64 * 64;
-        sm90::gemm_abt<Elem, Cfg::kHeadDim, Cfg::kBlockM, kBlockN>(acc_s[0], this->smem_q, wg_row0,
-                                                                    this->loads.smem_k + slot(j), 0, false);
+    static __device__ __forceinline__ int warpgroup(int warp_row0) { return warp_row0 / 64; }
+    // Warpgroup 1 gives warpgroup 0 the first turn; warpgroup 0 absorbs warpgroup 1's last hand-over.
+    static __device__ __forceinline__ void start_turns(int warp_row0) {
+        if (warpgroup(warp_row0) == 1) sm90::named_barrier_arrive(kSchedBarrier, kConsumerThreads);
+    }
+    static __device__ __forceinline__ void end_turns(int warp_row0) {
+        if (warpgroup(warp_row0) == 0) sm90::named_barrier_sync(kSchedBarrier, kConsumerThreads);
     }
 
+    // Ring step r's S = Q.K^T (one wgmma batch) for the warpgroup's 64 Q rows.
+    __device__ __forceinline__ void issue_s(float (&acc_s)[kMTiles][kNTiles][4], int r) const {
+        const int wg_row0 = this->warp_row0 / 64 * 64;
+        sm90::gemm_abt<Elem, Cfg::kHeadDim, Cfg::kBlockM, kBlockN>(acc_s[0], this->smem_q, wg_row0,
+                                                                    this->loads.smem_k + slot(r), 0, false);
+    }
+
+    // One tile's key loop; leaves acc_o un-normalized. After the epilogue the caller calls release_q.
     __device__ __forceinline__ void run(const AttnParams& params, const SeqInfo& seq, float (&acc_o)[kMTiles][kDTiles][4],
-                                        OnlineSoftmax<kMTiles>& softmax) const {
-        const int wg = this->warp_row0 / 64;  // this consumer warpgroup, 0 or 1
+                                        OnlineSoftmax<kMTiles>& softmax, FwdWsRing& ring) const {
+        const int wg = warpgroup(this->warp_row0);
         const int my_turn = kSchedBarrier + wg, other_turn = kSchedBarrier + 1 - wg;
-        const int n = this->blocks.count();
+        const int n = this->blocks.count(), r0 = ring.steps;
         const float scale_log2 = softmax_scale_log2<typename Cfg::ScoreMod>(params);
         const bool never = params.seqlen_k < 0;  // validated >= 1 on the host; see keep_wait_after
 
         unsigned p_frag[kNTiles / 2][4];
-        auto issue_pv = [&](int j) {
+        auto issue_pv = [&](int r) {
             sm90::fence_operand(acc_o[0]);
-            sm90::gemm_rs<Elem, kBlockN / 16, kBlockN>(acc_o[0], p_frag, this->loads.smem_v + slot(j), 0, 0, true);
+            sm90::gemm_rs<Elem, kBlockN / 16, kBlockN>(acc_o[0], p_frag, this->loads.smem_v + slot(r), 0, 0, true);
         };
-        // K_j's slot (and its staged bias tile, read by modify_and_mask) goes back to the producer.
-        auto release_k = [&](int j) { sm90::mbarrier_arrive(k_empty(j)); };
+        // After step j's S: K's slot (and its staged bias tile, read by modify_and_mask) goes back to the
+        // producer, and after the tile's last S so does Q (when O has a tile of its own).
+        auto release_k = [&](int j) {
+            sm90::mbarrier_arrive(k_empty(r0 + j));
+            if (kSeparateO && j == n - 1) sm90::mbarrier_arrive(q_empty());
+        };
 
-        if (wg == 1) sm90::named_barrier_arrive(kSchedBarrier, kConsumerThreads);  // warpgroup 0 goes first
-        sm90::mbarrier_wait(q_full(), 0);
-        sm90::mbarrier_wait(k_full(0), 0);
+        sm90::mbarrier_wait(q_full(), ring.tiles & 1);
+        sm90::mbarrier_wait(k_full(r0), parity(r0));
         {
             float acc_s[kMTiles][kNTiles][4];
             sm90::named_barrier_sync(my_turn, kConsumerThreads);
-            issue_s(acc_s, 0);
+            issue_s(acc_s, r0);
             sm90::named_barrier_arrive(other_turn, kConsumerThreads);
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(0);
-            this->modify_and_mask(acc_s, 0, this->blocks.block(0));
+            this->modify_and_mask(acc_s, 0, this->blocks.block(0), r0);
             if constexpr (Cfg::kBias) release_k(0);
             softmax.update(acc_s, acc_o, scale_log2);
             this->drop(acc_s, this->blocks.block(0));
             pack_a<Elem>(p_frag, acc_s[0]);
         }
         for (int j = 1; j < n; ++j) {
-            sm90::mbarrier_wait(k_full(j), parity(j));
-            sm90::mbarrier_wait(v_full(j - 1), parity(j - 1));
+            const int r = r0 + j;
+            sm90::mbarrier_wait(k_full(r), parity(r));
+            sm90::mbarrier_wait(v_full(r - 1), parity(r - 1));
             float acc_s[kMTiles][kNTiles][4];
             sm90::named_barrier_sync(my_turn, kConsumerThreads);
-            issue_s(acc_s, j);
-            issue_pv(j - 1);
+            issue_s(acc_s, r);
+            issue_pv(r - 1);
             sm90::named_barrier_arrive(other_turn, kConsumerThreads);
             sm90::wait<1>();  // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(j);
-            this->modify_and_mask(acc_s, j, this->blocks.block(j));
+            this->modify_and_mask(acc_s, j, this->blocks.block(j), r);
             if constexpr (Cfg::kBias) release_k(j);
             float ratio[kMTiles][2];
             softmax.max_step(acc_s, ratio, scale_log2);
@@ -201,19 +272,30 @@ struct FwdMainloopSm90Ws
             keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, this->smem_q);  // sums of all p
             sm90::wait<0>();
             sm90::fence_operand(acc_o[0]);
-            sm90::mbarrier_arrive(v_empty(j - 1));
+            sm90::mbarrier_arrive(v_empty(r - 1));
             softmax.rescale(acc_o, ratio, ratio_is_one(ratio));
             pack_a<Elem>(p_frag, acc_s[0]);
         }
-        sm90::mbarrier_wait(v_full(n - 1), parity(n - 1));
+        const int r_last = r0 + n - 1;
+        sm90::mbarrier_wait(v_full(r_last), parity(r_last));
         sm90::named_barrier_sync(my_turn, kConsumerThreads);
-        issue_pv(n - 1);
-        if (wg == 0) sm90::named_barrier_arrive(other_turn, kConsumerThreads);
+        issue_pv(r_last);
+        sm90::named_barrier_arrive(other_turn, kConsumerThreads);
         sm90::wait<0>();
         sm90::fence_operand(acc_o[0]);
-        // Every warp of this warpgroup is past its wgmma reads of the warpgroup's Q rows, which the
-        // epilogue then overwrites.
-        sm90::named_barrier_sync(kWarpgroupBarrier + wg, 128);
+        sm90::mbarrier_arrive(v_empty(r_last));
+        if constexpr (!kSeparateO) {
+            // Every warp of this warpgroup is past its wgmma reads of the warpgroup's Q rows, which the
+            // epilogue then overwrites.
+            sm90::named_barrier_sync(kWarpgroupBarrier + wg, 128);
+        }
+        ring.steps += n;
+        ring.tiles += 1;
+    }
+
+    // After the epilogue: with O staged in Q's tile, this thread is done with Q only now.
+    __device__ __forceinline__ void release_q() const {
+        if constexpr (!kSeparateO) sm90::mbarrier_arrive(q_empty());
     }
 };
 

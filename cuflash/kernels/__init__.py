@@ -196,10 +196,10 @@ def _with_tails(plan: Plan, shape: ProblemShape, backward: bool) -> Plan:
                 fields=plan.fields)
 
 
-def plan_forward(shape: ProblemShape, arch: int) -> Plan:
+def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> Plan:
     family = _family(shape)
     module = family if not isinstance(family, tuple) else family[0]
-    return _with_tails(module.plan_forward(shape, arch), shape, False)
+    return _with_tails(module.plan_forward(shape, arch, num_sms=num_sms), shape, False)
 
 
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = DEFAULT_SMS) -> Plan:

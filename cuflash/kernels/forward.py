@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ..arch import arch_caps
 from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
-from . import MASK_CAUSAL, MASK_GENERAL, MASK_NONE, MOD_NONE, MOD_SOFTCAP_ALIBI
+from . import DEFAULT_SMS, MASK_CAUSAL, MASK_GENERAL, MASK_NONE, MOD_NONE, MOD_SOFTCAP_ALIBI
 from . import block_lists
 
 SOURCE = "flash_fwd.cu"
@@ -108,14 +108,24 @@ def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bi
                mainloop: int = MAINLOOP_SM80) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each, then with a bias ``stages`` staged bias tiles
-    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh), then for the
-    warp-specialized mainloop its mbarriers (Q's, and a full and an empty one per K / V slot, 8 bytes each,
-    rounded up to 16). Mirrors ``kSmemBytes`` in the kernel, for both panel layouts (the wgmma one adds no
-    padding: every tile is a multiple of 1024 bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES``
-    against ``CUFLASH_CHECK_SMEM_BYTES``)."""
+    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh). The warp-specialized
+    mainloop adds, where it fits the block's 227 KB, a tile like Q's for staging O, and its mbarriers (Q's
+    full and empty ones, a full and an empty one per K / V slot, 8 bytes each, rounded up to 16). Mirrors
+    ``kSmemBytes`` in the kernel, for both panel layouts (the wgmma one adds no padding: every tile is a
+    multiple of 1024 bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against
+    ``CUFLASH_CHECK_SMEM_BYTES``)."""
     bias_bytes = stages * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
-    barrier_bytes = _cdiv((1 + 4 * stages) * 8, 16) * 16 if mainloop == MAINLOOP_SM90_WS else 0
-    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n) + bias_bytes + barrier_bytes
+    q_bytes = ELEM_BYTES * head_dim_bucket * block_m
+    loads = q_bytes + 2 * stages * block_n * ELEM_BYTES * head_dim_bucket + bias_bytes
+    if mainloop != MAINLOOP_SM90_WS:
+        return loads
+    barrier_bytes = _cdiv((2 + 4 * stages) * 8, 16) * 16
+    separate_o = loads + q_bytes + barrier_bytes <= WS_SMEM_LIMIT
+    return loads + (q_bytes if separate_o else 0) + barrier_bytes
+
+
+#: The shared memory a block may use on sm_90 (kMaxSmemBytes of the warp-specialized mainloop).
+WS_SMEM_LIMIT = 227 * KB
 
 
 def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, heavy: bool = False, bias: bool = False) -> tuple:
@@ -274,11 +284,11 @@ def default_mainloop(arch: int, head_dim_bucket: int, mask: int = 0, score_mod: 
 
 
 def ws_fits(head_dim_bucket: int, mask: int, score_mod: int) -> bool:
-    """Whether the warp-specialized variant compiles without spills (ptxas 13.0 / NVRTC 13.5, sm_90a,
-    session 7): the plain, causal and general (window / ids) masks with softcap / ALiBi or nothing, at D64 and
-    D128; at D256 the plain and causal masks without a modifier. The rest spilled: a staged bias 136-1104
-    bytes (its tile addressing on top of the accumulators), the bool mask and dropout 8-156, D256 with the
-    general mask or a modifier 4-148."""
+    """Whether the warp-specialized variant compiles without spills in its loops (ptxas 13.0 / NVRTC 13.5,
+    sm_90a, session 7): the plain, causal and general (window / ids) masks with softcap / ALiBi or nothing, at
+    D64 and D128; at D256 the plain and causal masks without a modifier (the plain one spills 4 bytes in the
+    producer, once per tile). The rest spilled: a staged bias 136-1104 bytes (its tile addressing on top of
+    the accumulators), the bool mask and dropout 8-156, D256 with the general mask or a modifier 4-148."""
     if head_dim_bucket not in WS_BUCKETS or mask not in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL):
         return False
     if head_dim_bucket == 256:
@@ -322,10 +332,27 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     return KernelVariant(SOURCE, KERNEL_NAME, config, config.threads, smem)
 
 
-def plan_forward(shape: ProblemShape, arch: int) -> Plan:
-    """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first."""
+def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
+    """The launch grid: one CTA per (query block, head, batch), (ceil(Sq / kBlockM), H, B). The
+    warp-specialized kernel walks its tiles in a loop (cuda_src/flash_fwd.cu: query blocks of one head
+    adjacent, CTA c taking tiles c, c + gridDim.x, ...), so its grid is one-dimensional: persistent,
+    min(tiles, SMs) CTAs, where every tile has the same work (no mask, equal lengths), and one CTA per tile
+    otherwise, where the hardware's scheduling balances uneven tiles. Measured on an H100 (session 7, run 3):
+    persistent, the unmasked D128 S1k forward went 500 -> 527 TFLOPS and D64 S1k 316 -> 353, but causal
+    D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles)."""
+    tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
+    if config.mainloop != MAINLOOP_SM90_WS:
+        return tiles
+    count = tiles[0] * tiles[1] * tiles[2]
+    if config.mask == MASK_NONE and not shape.packed:
+        return (max(1, min(count, num_sms)), 1, 1)
+    return (count, 1, 1)
+
+
+def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> Plan:
+    """One launch (:func:`grid_for`); under the general mask its block lists first."""
     v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod)
-    grid = (_cdiv(shape.seqlen_q, v.config.block_m), shape.num_heads, shape.batch)
+    grid = grid_for(v.config, shape, num_sms)
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(v, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k, v.config.block_m,

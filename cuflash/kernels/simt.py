@@ -163,8 +163,9 @@ def _check(shape: ProblemShape, arch: int) -> None:
 
 # --- plans --------------------------------------------------------------------------------------
 
-def plan_forward(shape: ProblemShape, arch: int) -> Plan:
-    """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first."""
+def plan_forward(shape: ProblemShape, arch: int, num_sms: int | None = None) -> Plan:
+    """One launch, grid (ceil(Sq / kBlockM), H, B); under the general mask its block lists first. (``num_sms``:
+    the tensor-core family's persistent grid needs it; this one does not.)"""
     _check(shape, arch)
     variant = forward_variant(shape.head_dim_bucket, shape.mask_kind, shape.score_mod)
     grid = (_cdiv(shape.seqlen_q, variant.config.block_m), shape.num_heads, shape.batch)
