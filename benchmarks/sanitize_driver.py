@@ -63,6 +63,8 @@ def cases(quick: bool = False) -> list:
             Case("rows that see no key, MQA, dlse", dtype, 1, 70, 33, 4, 1, 40, 40, True, True, True),
             Case("bucket 160, several blocks", dtype, 1, 130, 129, 2, 2, 136, 136, True, False, False),
             Case("bucket 128 (the hot tile), several blocks, GQA", dtype, 1, 200, 333, 4, 2, 128, 128, True, False, False),
+            Case("persistent: more tiles than SMs (140), a CTA walks two, GQA", dtype, 35, 70, 90, 4, 2, 128, 128, False,
+                 False, False),
             Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),
             Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
             Case("general mask: window + documents, GQA, block lists", dtype, 2, 150, 211, 4, 2, 64, 64, True,
