@@ -4,7 +4,16 @@
 #   bash benchmarks/device_run.sh tests bench            # the usual run
 #   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick
 #           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
-#           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong
+#           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong,
+#           fa4 (FlashAttention-4 for the bench, see below)
+#
+# FlashAttention-4 on the device machine (it reaches no package registry; ../shared/FACTS.md lists the wheels).
+# The cu13 libs wheel, unzipped and xz-compressed, is ~61 MiB, the other wheels ~10 MB: together over the
+# 64 MiB a call may carry, so two calls on one warm machine (the second within its ~30 s idle release):
+#   call 1, carry [.whl] holding cu13x.tar.xz:  stage fa4 unpacks it into /tmp/cu13x
+#   call 2, carry [.gl] holding the other wheels: stage fa4 installs them and copies /tmp/cu13x in; then bench
+# (session 7: `tar cf - . | xz -9` of the unzipped cu13 wheel, 63.6 MB; `from flash_attn.cute import
+# flash_attn_func` worked and the bench raced it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cuflash-out}
@@ -41,6 +50,16 @@ for stage in "$@"; do
       timeout ${BENCH_TIMEOUT:-240} python3 -m cuflash bench --features-only --out "$OUT/features" 2>&1 | tee "$OUT/features.log" | tail -30 ;;
     sanitize)
       timeout 420 bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -20 ;;
+    fa4)
+      if [ -f .whl/cu13x.tar.xz ] && [ ! -f /tmp/cu13x/OK ]; then
+        mkdir -p /tmp/cu13x && xz -dc .whl/cu13x.tar.xz | tar -x -C /tmp/cu13x && touch /tmp/cu13x/OK
+      fi
+      if ls .gl/*.whl > /dev/null 2>&1 && [ -f /tmp/cu13x/OK ]; then
+        python3 -m pip install -q --no-index --no-deps .gl/*.whl
+        site=$(python3 -c "import site; print(site.getsitepackages()[0])")
+        cp -r /tmp/cu13x/nvidia_cutlass_dsl/* "$site/nvidia_cutlass_dsl/"
+        python3 -c "from flash_attn.cute import flash_attn_func; print('FlashAttention-4 importable')"
+      fi 2>&1 | tee "$OUT/fa4.log" | tail -3 ;;
     fuzzlong)
       CUFLASH_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-10000} CUFLASH_FUZZ_REPORT="$OUT/fuzz_count.txt" \
         timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuzz_gpu.py 2>&1 | tee "$OUT/fuzz.log" | tail -15 ;;
