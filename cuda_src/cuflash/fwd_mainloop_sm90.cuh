@@ -44,6 +44,13 @@ __device__ __forceinline__ bool ratio_is_one(const float (&ratio)[kMTiles][2]) {
     return ones;
 }
 
+// The launch checks of a wgmma mainloop: its dynamic shared memory, and Q's tile 1024-byte aligned.
+template <int kSmemBytes>
+__device__ __forceinline__ void check_wgmma_smem(unsigned smem_q) {
+    if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
+    if ((smem_q & 1023u) != 0) __trap();                    // wgmma would read a differently swizzled tile
+}
+
 template <typename Cfg>
 struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, 2>> {
     using Elem = typename Cfg::Elem;
@@ -63,10 +70,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
     static_assert(sizeof(Cfg) == 0, "the wgmma mainloop compiles for sm_90a only");
 #endif
 
-    static __device__ __forceinline__ void check_smem(unsigned smem_q) {
-        if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
-        if ((smem_q & 1023u) != 0) __trap();                    // wgmma would read a differently swizzled tile
-    }
+    static __device__ __forceinline__ void check_smem(unsigned smem_q) { check_wgmma_smem<kSmemBytes>(smem_q); }
 
     using FwdWork<Cfg, Loads>::FwdWork;
 

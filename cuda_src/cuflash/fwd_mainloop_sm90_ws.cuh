@@ -102,10 +102,7 @@ struct FwdMainloopSm90Ws
     static_assert(sizeof(Cfg) == 0, "the warp-specialized mainloop compiles for sm_90a only");
 #endif
 
-    static __device__ __forceinline__ void check_smem(unsigned smem_q) {
-        if (sm80::dynamic_smem_bytes() < kSmemBytes) __trap();  // the plan's smem formula drifted
-        if ((smem_q & 1023u) != 0) __trap();                    // wgmma would read a differently swizzled tile
-    }
+    static __device__ __forceinline__ void check_smem(unsigned smem_q) { check_wgmma_smem<kSmemBytes>(smem_q); }
 
     using FwdWork<Cfg, Loads>::FwdWork;
 
