@@ -248,7 +248,7 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
 def tile_sm90_ws(head_dim_bucket: int, bias: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the two
     consumer warpgroups (8 warps x 16 rows, kBlockM = 128); the producer warpgroup comes on top (384
-    threads, one CTA per SM). The consumers hold 232 registers each after the hand-over (setmaxnreg),
+    threads, one CTA per SM). The consumers hold 224 registers each after the hand-over (232 at D256; setmaxnreg),
     more than the 8-warp wgmma mainloop's CTA-wide budget needs at these tiles; the ring takes what shared
     memory is left, up to 227 KB per block.
     """
@@ -272,7 +272,7 @@ def uses_wgmma(arch: int, head_dim_bucket: int) -> bool:
 
 def default_mainloop(arch: int, head_dim_bucket: int, mask: int = 0, score_mod: int = 0) -> int:
     """The mainloop a plan picks: on sm_90a the warp-specialized one where :func:`ws_fits` (its consumers'
-    232 registers hold the variant without spilling), else the 8-warp wgmma one at WGMMA_BUCKETS (not D256
+    224-232 registers hold the variant without spilling), else the 8-warp wgmma one at WGMMA_BUCKETS (not D256
     with a bias: Q, two K / V stages and two 128 x 64 bias tiles need 228 KB), else mma.sync."""
     if not arch_caps(arch).has_wgmma:
         return MAINLOOP_SM80
