@@ -5,7 +5,8 @@
 #   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick
 #           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
 #           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong,
-#           fa4 (FlashAttention-4 for the bench, see below)
+#           fa4 (FlashAttention-4 for the bench, see below), ncu (one forward+backward of $NCU_CELL, default
+#           D128-S4k-full, each kernel's speed-of-light, warp-state and scheduler sections)
 #
 # FlashAttention-4 on the device machine (it reaches no package registry; ../shared/FACTS.md lists the wheels).
 # The cu13 libs wheel, unzipped and xz-compressed, is ~61 MiB, the other wheels ~10 MB: together over the
@@ -60,6 +61,14 @@ for stage in "$@"; do
         cp -r /tmp/cu13x/nvidia_cutlass_dsl/* "$site/nvidia_cutlass_dsl/"
         python3 -c "from flash_attn.cute import flash_attn_func; print('FlashAttention-4 importable')"
       fi 2>&1 | tee "$OUT/fa4.log" | tail -3 ;;
+    ncu)
+      cell=${NCU_CELL:-D128-S4k-full}
+      for kernel in flash_fwd_kernel flash_bwd_dkdv_kernel flash_bwd_dq flash_bwd_preprocess; do
+        timeout 120 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 --launch-count 1 \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+            python3 benchmarks/profile_cell.py "$cell" > "$OUT/ncu_$kernel.txt" 2>&1
+        grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers|Stall|Issued Warp" "$OUT/ncu_$kernel.txt" | head -20
+      done ;;
     fuzzlong)
       CUFLASH_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-10000} CUFLASH_FUZZ_REPORT="$OUT/fuzz_count.txt" \
         timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuzz_gpu.py 2>&1 | tee "$OUT/fuzz.log" | tail -15 ;;
