@@ -28,10 +28,9 @@
 // D < bucket, Dv != D, GQA, padded strides and zero / negative scales (mma.sync path); a replay of
 // the address formulas found every tile covered exactly once and zero bank conflicts (both panel
 // layouts; the cp.async writes of the wide one land exactly on the wgmma layout).
-// Measured (H200, bf16, tile sweep of 2026-11-21, see forward_sm80.tile_sm80), mma.sync: D64 128 x
-// 128 x 2 stages 332 TFLOPS at S=4k; D128 128 x 64 x 1 stage 346 (causal 314). The wgmma mainloop
-// is not measured yet (2026-11-21). Target: >= FlashAttention-2 (H100: 335 TFLOPS fwd at D128,
-// S=4k) on mma.sync, well above it on wgmma.
+// Measured (H100, bf16, benchmarks/forward_mainloops.py, 2026-11-23 session 7 run 4), TFLOPS at S 4k non-causal:
+// D64 mma.sync 335 / warp-specialized 402; D128 mma.sync 373 / 8-warp wgmma 493 / warp-specialized 636;
+// D256 294 / 603 / 666 (cuDNN 475 / 616 / 695 in the same process). benchmarks/RESULTS.md has the grid.
 
 #include "cuflash/params.cuh"
 #include "cuflash/seqlen.cuh"
