@@ -44,6 +44,26 @@ __device__ __forceinline__ bool ratio_is_one(const float (&ratio)[kMTiles][2]) {
     return ones;
 }
 
+// Step j's softmax while P.V_{j-1} still writes acc_o (both wgmma mainloops): the max and exp steps of S_j
+// (masked) now, dropout's zeros, then the wait for P.V_{j-1}, pv_done() (the warp-specialized mainloop
+// frees V's slot there), acc_o's rescale, and P_j packed as the next P.V's A operand. block: key block n.
+template <typename Elem, int kMTiles, int kNTiles, int kDTiles, typename Work, typename PvDone>
+__device__ __forceinline__ void softmax_under_pv(const Work& work, float (&acc_s)[kMTiles][kNTiles][4],
+                                                 float (&acc_o)[kMTiles][kDTiles][4], OnlineSoftmax<kMTiles>& softmax,
+                                                 unsigned (&p_frag)[kNTiles / 2][4], int block, float scale_log2,
+                                                 bool never, PvDone&& pv_done) {
+    float ratio[kMTiles][2];
+    softmax.max_step(acc_s, ratio, scale_log2);
+    softmax.exp_step(acc_s, scale_log2);
+    work.drop(acc_s, block);
+    keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, work.smem_q);  // sums of all p
+    sm90::wait<0>();
+    sm90::fence_operand(acc_o[0]);
+    pv_done();
+    softmax.rescale(acc_o, ratio, ratio_is_one(ratio));
+    pack_a<Elem>(p_frag, acc_s[0]);
+}
+
 // The launch checks of a wgmma mainloop: its dynamic shared memory, and Q's tile 1024-byte aligned.
 template <int kSmemBytes>
 __device__ __forceinline__ void check_wgmma_smem(unsigned smem_q) {
@@ -135,15 +155,8 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->modify_and_mask(acc_s, j, this->blocks.block(j));
             // acc_o is still being written by P.V_{j-1}: the softmax's max and exp steps run now, its
             // rescale of acc_o once P.V_{j-1} is done.
-            float ratio[kMTiles][2];
-            softmax.max_step(acc_s, ratio, scale_log2);
-            softmax.exp_step(acc_s, scale_log2);
-            this->drop(acc_s, this->blocks.block(j));
-            keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, this->smem_q);  // sums of all p
-            sm90::wait<0>();
-            sm90::fence_operand(acc_o[0]);
-            softmax.rescale(acc_o, ratio, ratio_is_one(ratio));
-            pack_a<Elem>(p_frag, acc_s[0]);
+            softmax_under_pv<Elem>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
+                                   [] {});
         }
         // The last P.V. Its barrier also orders every wgmma read of Q before the epilogue's stores.
         sm80::cp_async_wait<0>();  // V_{n_blocks-1} landed for this thread ...

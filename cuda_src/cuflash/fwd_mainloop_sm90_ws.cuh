@@ -262,16 +262,8 @@ struct FwdMainloopSm90Ws
             if constexpr (!Cfg::kBias) release_k(j);
             this->modify_and_mask(acc_s, j, this->blocks.block(j), r);
             if constexpr (Cfg::kBias) release_k(j);
-            float ratio[kMTiles][2];
-            softmax.max_step(acc_s, ratio, scale_log2);
-            softmax.exp_step(acc_s, scale_log2);
-            this->drop(acc_s, this->blocks.block(j));
-            keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, this->smem_q);  // sums of all p
-            sm90::wait<0>();
-            sm90::fence_operand(acc_o[0]);
-            sm90::mbarrier_arrive(v_empty(r - 1));
-            softmax.rescale(acc_o, ratio, ratio_is_one(ratio));
-            pack_a<Elem>(p_frag, acc_s[0]);
+            softmax_under_pv<Elem>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
+                                   [&] { sm90::mbarrier_arrive(v_empty(r - 1)); });
         }
         const int r_last = r0 + n - 1;
         sm90::mbarrier_wait(v_full(r_last), parity(r_last));
