@@ -1,7 +1,8 @@
-"""Backward plans (no GPU): how many query heads a dK/dV block accumulates, and the scratch and launches
-that follow from it."""
+"""Plans (no GPU): how many query heads a dK/dV block accumulates, and the scratch and launches that follow
+from it; the forward's mainloop and grid."""
 import pytest
 
+from cuflash import kernels
 from cuflash.kernels import ProblemShape, backward
 
 
@@ -66,3 +67,40 @@ def test_heads_divide_the_group_and_mha_never_merges(h, hk, num_sms):
     partial = heads != group
     assert ("dk_accum" in plan.scratch_dict()) == partial
     assert bool(_launch(plan, "flash_bwd_reduce_dkdv_kernel")) == partial
+
+
+# --- the forward's mainloop choice and grid (cuflash/kernels/forward.py) -------------------------------------
+
+@pytest.mark.parametrize("bucket", (64, 128, 256))
+@pytest.mark.parametrize("mask", kernels.MASK_KINDS)
+@pytest.mark.parametrize("score_mod", kernels.SCORE_MODS)
+def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
+    """sm_90a picks the warp-specialized mainloop exactly where ws_fits says; it runs a producer warpgroup on
+    top of 8 compute warps and never exceeds the block's shared memory."""
+    from cuflash.kernels import forward
+
+    v = forward.variant("bfloat16", bucket, mask, 90, score_mod)
+    ws = forward.ws_fits(bucket, mask, score_mod)
+    assert (v.config.mainloop == forward.MAINLOOP_SM90_WS) == ws
+    if ws:
+        assert v.threads == 384 and v.config.num_warps == 8 and v.config.block_m == 128
+        assert v.smem_bytes <= forward.WS_SMEM_LIMIT
+    # Never on an arch without wgmma.
+    assert forward.variant("bfloat16", bucket, mask, 80, score_mod).config.mainloop == forward.MAINLOOP_SM80
+
+
+def test_forward_grid_is_persistent_only_for_equal_tiles():
+    """Unmasked: min(tiles, SMs) CTAs walk the tiles; masked (uneven tiles): one CTA per tile in a
+    one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
+    from cuflash.kernels import forward
+
+    def grid(causal, seqlen=1024, batch=16, heads=16, head_dim=128, arch=90, num_sms=132):
+        shape = kernels.ProblemShape(batch, seqlen, seqlen, heads, heads, head_dim, head_dim, "bfloat16", causal)
+        return kernels.plan_forward(shape, arch, num_sms=num_sms).launches[-1].grid
+
+    assert grid(False) == (132, 1, 1)
+    assert grid(False, num_sms=114) == (114, 1, 1)
+    assert grid(False, seqlen=100, batch=1, heads=2) == (2, 1, 1)  # fewer tiles than SMs
+    assert grid(True) == (8 * 16 * 16, 1, 1)
+    assert grid(False, head_dim=96) == (8, 16, 16)  # mma.sync: no warp-specialized tile at D96
+    assert grid(True, arch=80) == (8, 16, 16)
