@@ -1,7 +1,9 @@
 // The warp-specialized sm_90a forward mainloop: a producer warpgroup loads, two consumer warpgroups
-// compute, and the consumers take turns on the tensor cores (FlashAttention-3's ping-pong). The kernel is
-// persistent: each CTA walks query-block tiles (FwdTiles) and the pipeline runs on across them, so the
-// next tile's Q and first K / V tiles load while the consumers finish the current one.
+// compute, and the consumers take turns on the tensor cores (FlashAttention-3's ping-pong). Each CTA walks
+// query-block tiles (FwdTiles) and the pipeline runs on across them, so the next tile's Q and first K / V
+// tiles load while the consumers finish the current one. The plan's grid decides how many a CTA gets
+// (cuflash/kernels/forward.py, grid_for): persistent, min(tiles, SMs) CTAs, for unmasked problems; one CTA
+// per tile for masked ones, whose uneven tiles the hardware's scheduling balances better than a stride.
 //
 // Roles. Warpgroup 0 (threads 0-127) is the producer: it copies Q, then K_j and V_j of every visible key
 // block into a kStages-slot ring (cp.async through the shared FwdLoads, so strides, tails, packed
