@@ -202,15 +202,33 @@ __device__ __forceinline__ void copy_tile_flat(unsigned smem_tile, const Elem* g
                                                int rows_valid, int cols_valid, int tid) {
     constexpr int kTotal = Tile::kRows * Tile::kChunks;
     constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+    constexpr int kRowStep = kThreads / Tile::kChunks;
+    if constexpr (kThreads % Tile::kChunks == 0 && kTotal % kThreads == 0 && kRowStep % 8 == 0) {
+        // Each thread keeps one chunk column and walks rows kRowStep apart: a multiple of the swizzle
+        // period, so the shared offset and the source pointer advance by constants (one address
+        // computation per tile instead of one per chunk).
+        const unsigned u = static_cast<unsigned>(tid);
+        const int row0 = static_cast<int>(u / Tile::kChunks), chunk = static_cast<int>(u % Tile::kChunks);
+        const bool col_ok = chunk * kChunkElems < cols_valid;
+        const Elem* src = gmem_tile + row0 * row_stride + chunk * kChunkElems;
+        const unsigned dst = smem_tile + Tile::chunk_offset(row0, chunk);
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int i = tid + it * kThreads;
-        if (kTotal % kThreads == 0 || i < kTotal) {
-            const int row = i / Tile::kChunks;
-            const int chunk = i % Tile::kChunks;
-            const bool valid = row < rows_valid && chunk * kChunkElems < cols_valid;
-            const Elem* src = valid ? gmem_tile + row * row_stride + chunk * kChunkElems : gmem_tile;
-            sm80::cp_async_16(smem_tile + Tile::chunk_offset(row, chunk), src, valid);
+        for (int it = 0; it < kIters; ++it) {
+            const bool valid = col_ok && row0 + it * kRowStep < rows_valid;
+            sm80::cp_async_16(dst + it * kRowStep * Tile::kRowBytes, valid ? src + it * kRowStep * row_stride : gmem_tile,
+                              valid);
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int i = tid + it * kThreads;
+            if (kTotal % kThreads == 0 || i < kTotal) {
+                const int row = i / Tile::kChunks;
+                const int chunk = i % Tile::kChunks;
+                const bool valid = row < rows_valid && chunk * kChunkElems < cols_valid;
+                const Elem* src = valid ? gmem_tile + row * row_stride + chunk * kChunkElems : gmem_tile;
+                sm80::cp_async_16(smem_tile + Tile::chunk_offset(row, chunk), src, valid);
+            }
         }
     }
 }

@@ -47,11 +47,29 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned smem_addr, unsi
            (1ull << 62);
 }
 
+// The descriptor of the same layout `bytes` (a multiple of 16) further on: only the start-address field
+// moves. A shared-memory address (< 256 KB) plus an offset inside the tile never carries out of its 14
+// bits, so the add stays in the low word. The GEMMs build one descriptor per operand and step it with
+// this: one integer add per wgmma instead of rebuilding the masked, shifted fields from the address.
+__device__ __forceinline__ unsigned long long desc_advance(unsigned long long desc, unsigned bytes) {
+    const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+    return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
+// K-major panel tile with kRows rows: the byte offset of k-step kt (columns 16*kt ..) from its column 0.
+template <int kRows>
+__host__ __device__ constexpr unsigned k_major_offset(int kt) {
+    return (kt / 4) * kRows * kPanelRowBytes + (kt % 4) * 32;
+}
+// MN-major tile: the byte offset of k-step kt (K rows 16*kt ..).
+__host__ __device__ constexpr unsigned mn_major_offset(int kt) { return 16 * kt * kPanelRowBytes; }
+
 // Descriptor of rows row0.. of a K-major panel tile with kRows rows, at k-step kt (columns 16*kt ..).
 template <int kRows>
 __device__ __forceinline__ unsigned long long desc_k_major(unsigned tile, int row0, int kt) {
-    return make_desc(tile + (kt / 4) * kRows * kPanelRowBytes + row0 * kPanelRowBytes + (kt % 4) * 32,
-                     16 /* unused for swizzled K-major */, kSwizzleAtomBytes);
+    return desc_advance(make_desc(tile + row0 * kPanelRowBytes, 16 /* unused for swizzled K-major */,
+                                  kSwizzleAtomBytes),
+                        k_major_offset<kRows>(kt));
 }
 
 // Descriptor of an MN-major panel tile with kRows (= K) rows: K rows k_row0 .., MN columns from panel
@@ -118,9 +136,11 @@ __device__ __forceinline__ void gemm_batch(float (&acc)[kNTiles][4], DescA&& des
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], unsigned tile_a, int a_row0, unsigned tile_b,
                                          int b_row0, bool accumulate) {
+    const unsigned long long a0 = desc_k_major<kRowsA>(tile_a, a_row0, 0);
+    const unsigned long long b0 = desc_k_major<kRowsB>(tile_b, b_row0, 0);
     gemm_batch<Elem, kK / 16, kNTiles, 0, 0>(
-        acc, [&](int k) { return desc_k_major<kRowsA>(tile_a, a_row0, k); },
-        [&](int k) { return desc_k_major<kRowsB>(tile_b, b_row0, k); }, accumulate);
+        acc, [&](int k) { return desc_advance(a0, k_major_offset<kRowsA>(k)); },
+        [&](int k) { return desc_advance(b0, k_major_offset<kRowsB>(k)); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A (64 x 16*kKTiles, registers) . B: B MN-major tile (kRowsB = K rows), K rows
@@ -128,9 +148,10 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], unsigned tile
 template <typename Elem, int kKTiles, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_rs(float (&acc)[kNTiles][4], const unsigned (&a)[kKTiles][4], unsigned tile_b,
                                         int b_row0, int b_panel0, bool accumulate) {
+    const unsigned long long b0 = desc_mn_major<kRowsB>(tile_b, b_row0, b_panel0);
     gemm_batch<Elem, kKTiles, kNTiles, 0, 1, true>(
         acc, [&](int k) -> const unsigned(&)[4] { return a[k]; },
-        [&](int k) { return desc_mn_major<kRowsB>(tile_b, b_row0 + 16 * k, b_panel0); }, accumulate);
+        [&](int k) { return desc_advance(b0, mn_major_offset(k)); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A (64 x kK) . B: A rows a_row0 .. +64 of K-major tile A (kRowsA rows), B MN-major
@@ -138,9 +159,11 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[kNTiles][4], const unsigned
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], unsigned tile_a, int a_row0, unsigned tile_b,
                                         int b_panel0, bool accumulate) {
+    const unsigned long long a0 = desc_k_major<kRowsA>(tile_a, a_row0, 0);
+    const unsigned long long b0 = desc_mn_major<kRowsB>(tile_b, 0, b_panel0);
     gemm_batch<Elem, kK / 16, kNTiles, 0, 1>(
-        acc, [&](int k) { return desc_k_major<kRowsA>(tile_a, a_row0, k); },
-        [&](int k) { return desc_mn_major<kRowsB>(tile_b, 16 * k, b_panel0); }, accumulate);
+        acc, [&](int k) { return desc_advance(a0, k_major_offset<kRowsA>(k)); },
+        [&](int k) { return desc_advance(b0, mn_major_offset(k)); }, accumulate);
 }
 
 // acc (64 x kN) (+)= A^T . B with both tiles MN-major (rows = K): A columns from panel a_panel0 (64
@@ -148,9 +171,11 @@ __device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], unsigned tile_
 template <typename Elem, int kK, int kRowsA, int kRowsB, int kNTiles>
 __device__ __forceinline__ void gemm_atb(float (&acc)[kNTiles][4], unsigned tile_a, int a_panel0, unsigned tile_b,
                                          int b_panel0, int k_row0, bool accumulate) {
+    const unsigned long long a0 = desc_mn_major<kRowsA>(tile_a, k_row0, a_panel0);
+    const unsigned long long b0 = desc_mn_major<kRowsB>(tile_b, k_row0, b_panel0);
     gemm_batch<Elem, kK / 16, kNTiles, 1, 1>(
-        acc, [&](int k) { return desc_mn_major<kRowsA>(tile_a, k_row0 + 16 * k, a_panel0); },
-        [&](int k) { return desc_mn_major<kRowsB>(tile_b, k_row0 + 16 * k, b_panel0); }, accumulate);
+        acc, [&](int k) { return desc_advance(a0, mn_major_offset(k)); },
+        [&](int k) { return desc_advance(b0, mn_major_offset(k)); }, accumulate);
 }
 
 }  // namespace sm90
