@@ -44,7 +44,8 @@ extern __shared__ __align__(1024) unsigned char bwd_smem[];
 
 // ---------------------------------------------------------------------------------------------------
 // Pre-pass: softmax_d[b, h, i] = sum_{d < Dv} dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (fp32), and
-// dq_accum[b, h, i, :] = 0 when the atomic path is planned (scratch arrives uninitialized).
+// dq_accum[b, h, i, :] = 0 when the atomic path is planned (scratch arrives uninitialized), also past the
+// sequence up to a whole kDqAccumBlockRows block.
 // Grid (ceil(Sq / kBlockM), H, B); 8 consecutive lanes per row, each summing 16-byte chunks c, c+8, ...
 template <typename Elem, int kHeadDim, int kBlockM, int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32)
@@ -81,13 +82,23 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        if (row_ok) {
-            if (sub == 0) *seq.softmax_d(params, row) = sum - (params.dlse != nullptr ? *seq.dlse(params, row) : 0.f);
-            if (params.dq_accum != nullptr) {
-                float4* dst = reinterpret_cast<float4*>(seq.dq_accum(params, row, kHeadDim));
+        if (row_ok && sub == 0) {
+            *seq.softmax_d(params, row) = sum - (params.dlse != nullptr ? *seq.dlse(params, row) : 0.f);
+        }
+    }
+    // dq_accum: this block's rows, and the sequence's last block also the rows up to the next multiple of
+    // kDqAccumBlockRows. The wgmma dK/dV kernel adds whole query blocks (up to that many rows) with no
+    // bounds test (WgmmaDqStep::add): rows past the sequence belong to the next head or sequence, which
+    // zeroes them too, or to the buffer's slack (backward.dq_accum_shape), and every add reads zeros.
+    const int row0 = blockIdx.x * kBlockM;
+    if (params.dq_accum != nullptr && row0 < seq.seqlen_q) {
+        const int end = row0 + kBlockM >= seq.seqlen_q
+                            ? (seq.seqlen_q + kDqAccumBlockRows - 1) / kDqAccumBlockRows * kDqAccumBlockRows
+                            : row0 + kBlockM;
+        for (int row = row0 + static_cast<int>(threadIdx.x) / kThreadsPerRow; row < end; row += kRowsPerPass) {
+            float4* dst = reinterpret_cast<float4*>(seq.dq_accum(params, row, kHeadDim));
 #pragma unroll
-                for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+            for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
 }

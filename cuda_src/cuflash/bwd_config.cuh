@@ -18,6 +18,11 @@
 
 namespace cuflash {
 
+// The most query rows a dK/dV block adds into dq_accum at once (its kBlockM): the pre-pass zeroes each
+// sequence's rows up to a multiple of this, and the plan leaves this many rows of slack after the buffer
+// (cuflash/kernels/backward.py: DQ_ACCUM_BLOCK_ROWS).
+constexpr int kDqAccumBlockRows = 128;
+
 // lse (natural log) -> the log2-domain offset subtracted inside exp2. A row that sees no key has
 // lse = -inf; +inf makes all its P exactly 0 (masked scores give -inf - inf = -inf: still 0).
 __device__ __forceinline__ float lse_log2_offset(float lse) {
@@ -121,14 +126,19 @@ struct DkdvConfig {
     static constexpr int kSmemBytes = kOffBias + (kBias ? 2 * BiasTileT::kBytes : 0);
     static constexpr int kOffPShared = kShareP ? kOffDs : kOffP;           // where P^T goes
 
+    static_assert(kBlockM <= kDqAccumBlockRows, "dq_accum's zeroed rows and slack cover one query block");
     static constexpr DqWarpLayout kDq = choose_dq_layout(kBlockM, kHeadDim, kNWarps);
     static_assert(!kAtomicDq || kDq.warps_m > 0, "no warp layout for the dQ step");
 };
 
 // A dK/dV thread's role, derived from its index. The mainloop rebuilds it from an opaque copy of the
 // thread index in every iteration and in the epilogue, so that only tid (not its dozen derived values)
-// stays live across the loop.
-template <typename Cfg>
+// stays live across the loop. With kUniformWarp (the wgmma mainloop's Role) the warp index is read
+// through a shuffle from lane 0: the compiler then knows it, and the key row, split and query column
+// derived from it, to be the same in every lane and keeps them in uniform registers, where wgmma wants its
+// shared-memory descriptors (ptxas 13.0, D128: 80 R2UR moves per step down to 1). The mma.sync mainloop
+// keeps the plain index: the uniform one cost its register allocation 16-64 bytes of spill on sm_80.
+template <typename Cfg, bool kUniformWarp = false>
 struct DkdvRole {
     int lane, g, t, warp;
     int key_row0;  // the warp's keys within the block
@@ -136,8 +146,10 @@ struct DkdvRole {
     int q_col0;    // the warp's first query (within the block) of S^T
 
     __device__ __forceinline__ explicit DkdvRole(int thread)
-        : lane(thread % 32), g(lane >> 2), t(lane & 3), warp(thread / 32), key_row0((warp % Cfg::kWarpsN) * 16),
-          d_split(warp / Cfg::kWarpsN), q_col0(d_split * Cfg::kMPerWarp) {}
+        : lane(thread % 32), g(lane >> 2), t(lane & 3),
+          warp(kUniformWarp ? __shfl_sync(0xffffffffu, thread / 32, 0) : thread / 32),
+          key_row0((warp % Cfg::kWarpsN) * 16),
+          d_split(kUniformWarp && Cfg::kWarpsD == 1 ? 0 : warp / Cfg::kWarpsN), q_col0(d_split * Cfg::kMPerWarp) {}
 };
 
 // ---------------------------------------------------------------------------------------------------

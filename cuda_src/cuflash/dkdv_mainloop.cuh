@@ -71,7 +71,7 @@ struct DkdvLoads {
 
 template <typename Cfg, typename Math>
 struct DkdvMainloop {
-    using Role = DkdvRole<Cfg>;
+    using Role = typename Math::Role;
     using Loads = DkdvLoads<Cfg>;
     using TileQ = typename Cfg::TileQ;
     static constexpr int kSmemBytes = Cfg::kSmemBytes;

@@ -61,9 +61,9 @@ __device__ __forceinline__ void dq_step(const Role& r, unsigned s_ds, unsigned s
 
 // P^T and dS^T of the warp's query half into shared memory, for a key group split over two warps (both
 // arches; the wgmma path fences them for its async-proxy reads). The caller's barrier publishes them.
-template <typename Cfg, int kNT>
+template <typename Cfg, int kNT, typename Role>
 __device__ __forceinline__ void stage_probs(const float (&acc_p)[kNT][4], const float (&acc_ds)[kNT][4], unsigned smem,
-                                            const DkdvRole<Cfg>& r) {
+                                            const Role& r) {
     store_c_tile<typename Cfg::Elem, typename Cfg::TileP>(smem + Cfg::kOffPShared, acc_p, r.key_row0, r.q_col0,
                                                           r.lane);
     if constexpr (!Cfg::kShareP) {

@@ -15,7 +15,7 @@
 
 namespace cuflash {
 
-// The atomic dQ step on warpgroups: dq_rows[0 .. rows_valid, :] += dS . K for the block's kBlockM
+// The atomic dQ step on warpgroups: dq_rows[0 .. kBlockM, :] += dS . K for the block's kBlockM
 // queries, with dS read MN-major (transposed) from the [key][query] tile and K MN-major. The kNWarps / 4
 // warpgroups split the work three ways, in this order of preference:
 //   by queries  when there is one 64-query panel per warpgroup (each sums over all keys, all columns);
@@ -44,21 +44,20 @@ struct WgmmaDqStep {
         sm90::gemm_atb<Elem, kKeys, kBlockN, kBlockN>(acc, s_ds, query_panel(warp), s_k, panel0(warp), key_row0, false);
     }
 
+    // No bounds tests: dS is exactly 0 for queries past the sequence (P masked to 0; dO, D zero-filled)
+    // and K is zero-filled past head_dim, so the adds past them are +-0. The plan gives dq_accum kHeadDim
+    // columns and kBlockM rows of slack after its last row (backward.dq_accum_shape), so every address of
+    // the block is inside the buffer; rows past a packed sequence belong to the next one and get +-0.
     template <int kLaterBatches, typename Role>
-    static __device__ __forceinline__ void add(float (&acc)[kNTiles][4], const Role& r, float* dq_rows, int rows_valid,
-                                               int head_dim) {
+    static __device__ __forceinline__ void add(float (&acc)[kNTiles][4], const Role& r, float* dq_rows) {
         sm90::wait<kLaterBatches>();
         sm90::fence_operand(acc);
         const int row_lo = query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
-        const int col0 = panel0(r.warp) * sm90::kPanelCols + 2 * r.t;
+        float* dst = dq_rows + row_lo * kHeadDim + panel0(r.warp) * sm90::kPanelCols + 2 * r.t;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-            const int col = col0 + nt * 8;
-            if (col >= head_dim) continue;
-            if (row_lo < rows_valid) atomic_add_pair(dq_rows + row_lo * kHeadDim + col, acc[nt][0], acc[nt][1]);
-            if (row_lo + 8 < rows_valid) {
-                atomic_add_pair(dq_rows + (row_lo + 8) * kHeadDim + col, acc[nt][2], acc[nt][3]);
-            }
+            atomic_add_pair(dst + nt * 8, acc[nt][0], acc[nt][1]);
+            atomic_add_pair(dst + 8 * kHeadDim + nt * 8, acc[nt][2], acc[nt][3]);
         }
     }
 };
@@ -66,7 +65,7 @@ struct WgmmaDqStep {
 template <typename Cfg>
 struct DkdvWgmmaSm90 {
     using Elem = typename Cfg::Elem;
-    using Role = DkdvRole<Cfg>;
+    using Role = DkdvRole<Cfg, true>;  // warp-uniform: the descriptors stay in uniform registers
     using DqStep = WgmmaDqStep<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kNWarps>;
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles, kWarpsD = Cfg::kWarpsD;
     static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
@@ -104,8 +103,8 @@ struct DkdvWgmmaSm90 {
     static __device__ __forceinline__ void accumulate(float (&acc_dv)[kDTiles][4], float (&acc_dk)[kDTiles][4],
                                                       const float (&acc_s)[kMTiles][4],
                                                       const float (&acc_dp)[kMTiles][4], unsigned smem, unsigned s_q,
-                                                      unsigned s_do, const Role& r, float* dq_rows, int rows_valid,
-                                                      int head_dim) {
+                                                      unsigned s_do, const Role& r, float* dq_rows,
+                                                      int /* rows_valid: see DqStep::add */, int /* head_dim */) {
         const unsigned s_ds = smem + Cfg::kOffDs, s_k = smem + Cfg::kOffK;
         float acc_dq[DqStep::kNTiles][4];
         if constexpr (kWarpsD == 1) {
@@ -137,7 +136,7 @@ struct DkdvWgmmaSm90 {
                                                            true);
             sm90::gemm_ab<Elem, kBlockM, kBlockN, kBlockM>(acc_dk, s_ds, 0, s_q, r.d_split * kHalfPanels, true);
         }
-        if constexpr (Cfg::kAtomicDq) DqStep::template add<2>(acc_dq, r, dq_rows, rows_valid, head_dim);
+        if constexpr (Cfg::kAtomicDq) DqStep::template add<2>(acc_dq, r, dq_rows);
     }
 
     // dV / dK (and dQ) wgmma done: the next barrier frees their shared-memory operands.

@@ -53,7 +53,7 @@ struct DkdvEpilogue {
     static __device__ __forceinline__ void store(const AttnParams& params, int b, int group, int heads,
                                                  int n_block, const float (&acc_dk)[kDTiles][4],
                                                  const float (&acc_dv)[kDTiles][4]) {
-        const DkdvRole<Cfg> r(opaque(threadIdx.x));
+        const typename Mainloop::Role r(opaque(threadIdx.x));
         const SeqInfo seq(params, b, opaque(group) * heads, LayoutOf<Cfg::kMask>());
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
@@ -66,7 +66,7 @@ struct DkdvEpilogue {
 
     template <typename Out>
     static __device__ __forceinline__ void store_rows(const Out& out, const AttnParams& params, const SeqInfo& seq,
-                                                      const DkdvRole<Cfg>& r, int row_lo,
+                                                      const typename Mainloop::Role& r, int row_lo,
                                                       const float (&acc_dk)[kDTiles][4],
                                                       const float (&acc_dv)[kDTiles][4]) {
         const int row_hi = row_lo + 8;

@@ -18,6 +18,7 @@ the compile, on the CPU.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..arch import arch_caps
@@ -362,6 +363,19 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) ->
     return best
 
 
+#: The most query rows a dK/dV block adds into dq_accum at once (kDqAccumBlockRows in bwd_config.cuh).
+DQ_ACCUM_BLOCK_ROWS = 128
+
+
+def dq_accum_shape(shape: ProblemShape, bucket: int) -> tuple:
+    """The atomic path's fp32 dQ accumulator: a row of ``bucket`` columns per query row of
+    :meth:`ProblemShape.q_scratch` (the kernels address it through ``scratch_strides``), then
+    DQ_ACCUM_BLOCK_ROWS rows of slack. The wgmma dK/dV kernel adds whole query blocks with no bounds tests
+    (its rows past a sequence and columns past head_dim add +-0: WgmmaDqStep::add) and the pre-pass zeroes
+    each sequence's rows up to a whole such block, so the last block of the last head stays inside."""
+    return (math.prod(shape.q_scratch(shape.num_heads)) + DQ_ACCUM_BLOCK_ROWS, bucket)
+
+
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = 132) -> Plan:
     if shape.dtype not in DTYPES:
         raise ValueError(f"dtype={shape.dtype!r}: the tensor-core backward takes float16 or bfloat16")
@@ -398,7 +412,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
-        scratch.append(("dq_accum", shape.q_scratch(h, bucket)))
+        scratch.append(("dq_accum", dq_accum_shape(shape, bucket)))
     if heads != h // hk:  # partials of each `heads` query heads, summed per group in a fixed order
         launches.append(Launch(reduce_dkdv_variant(dtype, bucket), (_ceil_div(sk, REDUCE_BLOCK_ROWS), hk, b)))
         scratch.append(("dk_accum", shape.k_scratch(h // heads, bucket)))
