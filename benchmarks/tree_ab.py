@@ -1,0 +1,85 @@
+"""One tree's forward and backward times on bench cells, for A/B runs of two or more source trees on one GPU.
+
+Run it once per tree, each in its own process, with that tree first on the path (the kernels compile from the
+tree's own cuda_src):
+
+    for t in base new; do (cd $t && PYTHONPATH=. python3 benchmarks/tree_ab.py $t D128-S4k-full D64-S4k-full); done
+
+Per cell (`python -m cuflash bench --list` names them; bf16 inputs seeded per cell, so every tree sees the same
+ones): median GPU time of the forward, the default backward and the deterministic backward (CUDA events, 20
+calls after a warm-up), their TFLOPS (forward 4 B H S^2 D, halved when causal; backward 2.5x that; forward +
+default backward 3.5x), and, from the second tree on, the largest difference of out / dq / dk / dv from the
+first tree's (saved under --ref-dir): 0 where the kernels compute the same sums in the same order, float
+rounding where only the atomic dQ adds reorder.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+
+def median_ms(fn, reps: int) -> float:
+    import cupy as cp
+
+    fn()
+    cp.cuda.Device().synchronize()
+    start, end, times = cp.cuda.Event(), cp.cuda.Event(), []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("label", help="the tree's name in the output")
+    ap.add_argument("cells", nargs="+")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ref-dir", default="/tmp/cuflash-tree-ab", help="where the first tree's outputs are kept")
+    args = ap.parse_args()
+    import cupy as cp
+
+    import cuflash
+
+    cells = {c.name: c for c in bench.all_cells()}
+    unknown = [n for n in args.cells if n not in cells]
+    if unknown:
+        print(f"no cell named {unknown}; see python -m cuflash bench --list", file=sys.stderr)
+        return 2
+    os.makedirs(args.ref_dir, exist_ok=True)
+    for name in args.cells:
+        c = cells[name]
+        x = bench.make_inputs(c, None)
+        q, k, v, do = x.cq, x.ck, x.cv, x.cdout
+        out, lse = cuflash.attention_forward(q, k, v, causal=c.causal)
+        fwd = median_ms(lambda: cuflash.attention_forward(q, k, v, causal=c.causal), args.reps)
+        bwd = {det: median_ms(lambda det=det: cuflash.attention_backward(do, q, k, v, out, lse, causal=c.causal,
+                                                                         deterministic=det), args.reps)
+               for det in (False, True)}
+        dq, dk, dv = cuflash.attention_backward(do, q, k, v, out, lse, causal=c.causal)
+        flops = c.flops("fwd")
+        arrays = {n: cp.asnumpy(a.astype(cp.float32)) for n, a in (("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
+        ref = Path(args.ref_dir) / (name.replace("/", "_") + ".npz")
+        diff = ""
+        if ref.exists():
+            first = np.load(ref)
+            diff = " " + " ".join(f"{n}:{np.abs(arrays[n] - first[n]).max():.2e}" for n in arrays)
+        else:
+            np.savez(ref, **arrays)
+        print(f"{args.label:6s} {name:28s} fwd {fwd:7.3f} ms {flops / fwd / 1e9:6.1f} TF | bwd {bwd[False]:7.3f} ms "
+              f"{2.5 * flops / bwd[False] / 1e9:6.1f} TF | det {bwd[True]:7.3f} ms {2.5 * flops / bwd[True] / 1e9:6.1f} TF"
+              f" | f+b {3.5 * flops / (fwd + bwd[False]) / 1e9:6.1f} TF{diff}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
