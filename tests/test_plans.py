@@ -104,3 +104,17 @@ def test_forward_grid_is_persistent_only_for_equal_tiles():
     assert grid(True) == (8 * 16 * 16, 1, 1)
     assert grid(False, head_dim=96) == (8, 16, 16)  # mma.sync: no warp-specialized tile at D96
     assert grid(True, arch=80) == (8, 16, 16)
+
+
+@pytest.mark.parametrize("arch", (80, 86, 90))
+def test_dq_accum_slack_covers_every_dkdv_query_block(arch):
+    """The wgmma dQ step adds whole query blocks with no bounds test, into rows the pre-pass zeroed up to a
+    multiple of DQ_ACCUM_BLOCK_ROWS and into the buffer's slack of that many rows: every dK/dV block must fit
+    (the C++ side static_asserts the same against kDqAccumBlockRows)."""
+    blocks = {v.config.block_m for v in backward.all_variants(arch) if v.name == "cuflash::flash_bwd_dkdv_kernel"}
+    assert blocks and all(backward.DQ_ACCUM_BLOCK_ROWS % m == 0 for m in blocks), blocks
+    shape = ProblemShape(2, 100, 90, 8, 2, 128, 128, "bfloat16", True)
+    plan = backward.plan_backward(shape, arch, deterministic=False)
+    scratch = dict(plan.scratch)
+    assert scratch["dq_accum"] == (2 * 8 * 100 + backward.DQ_ACCUM_BLOCK_ROWS, 128)
+    assert "dq_accum" not in dict(backward.plan_backward(shape, arch, deterministic=True).scratch)
