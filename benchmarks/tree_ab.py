@@ -22,21 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
-
-
-def median_ms(fn, reps: int) -> float:
-    import cupy as cp
-
-    fn()
-    cp.cuda.Device().synchronize()
-    start, end, times = cp.cuda.Event(), cp.cuda.Event(), []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
+from forward_mainloops import median_ms  # noqa: E402  (CUDA-event median of `reps` calls after a warm-up)
 
 
 def main() -> int:
