@@ -45,9 +45,10 @@ struct WgmmaDqStep {
     }
 
     // No bounds tests: dS is exactly 0 for queries past the sequence (P masked to 0; dO, D zero-filled)
-    // and K is zero-filled past head_dim, so the adds past them are +-0. The plan gives dq_accum kHeadDim
-    // columns and kBlockM rows of slack after its last row (backward.dq_accum_shape), so every address of
-    // the block is inside the buffer; rows past a packed sequence belong to the next one and get +-0.
+    // and K is zero-filled past head_dim, so the adds past them are +-0. dq_accum has kHeadDim columns and
+    // kDqAccumBlockRows rows of slack after its last row (backward.dq_accum_shape), and the pre-pass zeroes
+    // each sequence's rows up to a whole such block, so every address of the block is inside the buffer
+    // and holds a zero or a sum; rows past a sequence belong to the next head or sequence and get +-0.
     template <int kLaterBatches, typename Role>
     static __device__ __forceinline__ void add(float (&acc)[kNTiles][4], const Role& r, float* dq_rows) {
         sm90::wait<kLaterBatches>();
