@@ -28,16 +28,17 @@
 
 namespace cuflash {
 
-template <typename Cfg>
+// kRowWalk: copy_tile_flat's row walk (the wgmma mainloop's loads).
+template <typename Cfg, bool kRowWalk = false>
 struct DkdvLoads {
     using Elem = typename Cfg::Elem;
 
     // K, V of key block n_block (kv head of seq), into their single buffers.
     static __device__ __forceinline__ void load_kv(const AttnParams& p, const SeqInfo& seq, unsigned smem, int key0,
                                                    int tid) {
-        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
+        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
                                              seq.seqlen_k - key0, p.head_dim, tid);
-        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
+        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
                                              seq.seqlen_k - key0, p.head_dim_v, tid);
     }
 
@@ -55,9 +56,9 @@ struct DkdvLoads {
             }
         }
         const int rows = seq.seqlen_q - q0;
-        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
                                              p.q_row_stride, rows, p.head_dim, tid);
-        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
                                              p.do_row_stride, rows, p.head_dim_v, tid);
         const float* lse_ptr = seq.lse_in(p, q0);
         const float* dsum_ptr = seq.softmax_d(p, q0);
@@ -72,7 +73,7 @@ struct DkdvLoads {
 template <typename Cfg, typename Math>
 struct DkdvMainloop {
     using Role = typename Math::Role;
-    using Loads = DkdvLoads<Cfg>;
+    using Loads = DkdvLoads<Cfg, Math::kRowWalkLoads>;
     using TileQ = typename Cfg::TileQ;
     static constexpr int kSmemBytes = Cfg::kSmemBytes;
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;

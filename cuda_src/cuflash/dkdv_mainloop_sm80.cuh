@@ -79,6 +79,7 @@ struct DkdvMmaSm80 {
     using TileQ = typename Cfg::TileQ;
     using TileP = typename Cfg::TileP;
     using Role = DkdvRole<Cfg>;
+    static constexpr bool kRowWalkLoads = false;  // see copy_tile_flat
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles, kWarpsD = Cfg::kWarpsD;
     static constexpr unsigned kSmemAlign = 128;
 

@@ -67,6 +67,7 @@ template <typename Cfg>
 struct DkdvWgmmaSm90 {
     using Elem = typename Cfg::Elem;
     using Role = DkdvRole<Cfg, true>;  // warp-uniform: the descriptors stay in uniform registers
+    static constexpr bool kRowWalkLoads = true;  // copy_tile_flat's row walk
     using DqStep = WgmmaDqStep<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kNWarps>;
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles, kWarpsD = Cfg::kWarpsD;
     static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;

@@ -196,14 +196,17 @@ __device__ __forceinline__ void load_tile(unsigned smem_tile, const Elem* base, 
 
 // Flat-index copy (the backward's tiles, any width): thread i copies chunks i, i + kThreads, ... of the
 // kRows x kChunks tile whose row 0, column 0 is gmem_tile (in bounds: the dummy source of zero-fills).
-// Rows >= rows_valid and columns >= cols_valid (a multiple of 8) are zero-filled, not read.
-template <typename Tile, int kThreads, typename Elem>
+// Rows >= rows_valid and columns >= cols_valid (a multiple of 8) are zero-filled, not read. kRowWalk (the
+// wgmma mainloops' loads): where the shape allows, each thread keeps one chunk column and walks rows (see
+// below). The mma.sync kernels keep the per-chunk addressing: with the row walk ptxas 13.0 allocated four
+// sm_80 dK/dV variants 8-16 bytes more spill, and no A100 was there to time them.
+template <typename Tile, int kThreads, bool kRowWalk = false, typename Elem>
 __device__ __forceinline__ void copy_tile_flat(unsigned smem_tile, const Elem* gmem_tile, long long row_stride,
                                                int rows_valid, int cols_valid, int tid) {
     constexpr int kTotal = Tile::kRows * Tile::kChunks;
     constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
     constexpr int kRowStep = kThreads / Tile::kChunks;
-    if constexpr (kThreads % Tile::kChunks == 0 && kTotal % kThreads == 0 && kRowStep % 8 == 0) {
+    if constexpr (kRowWalk && kThreads % Tile::kChunks == 0 && kTotal % kThreads == 0 && kRowStep % 8 == 0) {
         // Each thread keeps one chunk column and walks rows kRowStep apart: a multiple of the swizzle
         // period, so the shared offset and the source pointer advance by constants (one address
         // computation per tile instead of one per chunk).
