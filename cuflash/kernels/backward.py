@@ -166,20 +166,23 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # sequences run them) and the dropout kinds (4, 5) draw Philox numbers; the bias variants
                          # of the batched-only kinds moved by 16 bytes with the scratch-stride change. Their cost is
                          # not measured yet; the bool mask + bias atomic variant grew most (36 -> 168 bytes).
-                         (90, 128, 0, 2, False): 16,
                          (90, 128, 1, 2, False): 16,
                          (90, 128, 3, 2, True): 168,
                          (90, 128, 4, 2, False): 48,
-                         (90, 128, 4, 2, True): 44,
                          (90, 128, 5, 0, True): 16,
                          (90, 128, 5, 2, False): 56,
-                         (90, 128, 5, 2, True): 32,
                          (90, 64, 2, 0, True): 52,
                          (90, 64, 5, 0, True): 40,
                          (80, 128, 4, 3, True): 20,
                          (80, 128, 4, 0, False): 32,
                          (80, 128, 4, 0, True): 20,
-                         (80, 64, 2, 3, False): 20}
+                         (80, 64, 2, 3, False): 20,
+                         # Session 8: the wgmma mainloop's warp-uniform role and unpredicated dQ adds moved three
+                         # D128 bias variants 4-16 bytes past their session-5 allowance (NVRTC 13.5: 32, 48, 48;
+                         # were 16, 44, 32). Their speed was not timed again (the bias backward is not in the grid).
+                         (90, 128, 0, 2, False): 32,
+                         (90, 128, 4, 2, True): 48,
+                         (90, 128, 5, 2, True): 48}
 
 #: Head-dim buckets whose dK/dV kernel runs on wgmma on sm_90a: whole 64-column panels, split evenly
 #: between the two warpgroups at head dim 256. The wgmma path reads each shared-memory operand once per
