@@ -20,8 +20,9 @@
 // (cuflash/block.cuh, from the mask policy in cuflash/mask.cuh) -> mainloop -> epilogue
 // (cuflash/epilogue_bwd.cuh). The dK/dV mainloop is DkdvMainloopSm80 (mma.sync,
 // cuflash/dkdv_mainloop_sm80.cuh) or, on sm_90a for head dims 64 / 128 / 256, DkdvMainloopSm90 (wgmma,
-// cuflash/dkdv_mainloop_sm90.cuh), chosen by the trait kWgmma; both run the step loop and load side of
-// cuflash/dkdv_mainloop.cuh and the shared P recomputation / dS of cuflash/bwd_probs.cuh. The dQ
+// cuflash/dkdv_mainloop_sm90.cuh), both running the step loop and load side of cuflash/dkdv_mainloop.cuh,
+// or DkdvMainloopSm90Ws (the same wgmma math behind a producer warpgroup, cuflash/dkdv_mainloop_sm90_ws.cuh),
+// chosen by kMainloop; all share the P recomputation / dS of cuflash/bwd_probs.cuh. The dQ
 // mainloop is cuflash/dq_mainloop_sm80.cuh. Configs and shared-memory layouts: cuflash/bwd_config.cuh.
 //
 // Numerics: fp32 accumulation everywhere; the exp is one FFMA + ex2. A row with lse = -inf (it sees no
@@ -35,12 +36,16 @@
 #include "cuflash/bwd_config.cuh"
 #include "cuflash/dkdv_mainloop_sm80.cuh"
 #include "cuflash/dkdv_mainloop_sm90.cuh"
+#include "cuflash/dkdv_mainloop_sm90_ws.cuh"
 #include "cuflash/dq_mainloop_sm80.cuh"
 #include "cuflash/epilogue_bwd.cuh"
 
 namespace cuflash {
 
 extern __shared__ __align__(1024) unsigned char bwd_smem[];
+
+// The dK/dV kernel's mainloop (its last template argument; cuflash/kernels/backward.py: MAINLOOP_*).
+enum DkdvMainloopKind { kDkdvMainloopSm80 = 0, kDkdvMainloopSm90 = 1, kDkdvMainloopSm90Ws = 2 };
 
 // ---------------------------------------------------------------------------------------------------
 // Pre-pass: softmax_d[b, h, i] = sum_{d < Dv} dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (fp32), and
@@ -106,13 +111,16 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 // ---------------------------------------------------------------------------------------------------
 // dK, dV (and, with kAtomicDq, dQ += dS.K into dq_accum) for key block blockIdx.x of the query-head group
 // blockIdx.y of batch blockIdx.z. kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier
-// (score_mod.cuh). kWgmma (sm_90a only): the warpgroup mainloop instead of mma.sync.
+// (score_mod.cuh). kMainloop: a DkdvMainloopKind (the wgmma ones sm_90a only); the warp-specialized one runs
+// 384 threads, a producer warpgroup and the kNWarps math warps.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod, bool kAtomicDq,
-          bool kWgmma>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
+          int kMainloop>
+__global__ void __launch_bounds__(kMainloop == kDkdvMainloopSm90Ws ? 384 : kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params) {
     using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq>;
-    using Mainloop = conditional_t<kWgmma, DkdvMainloopSm90<Cfg>, DkdvMainloopSm80<Cfg>>;
+    using Mainloop = conditional_t<kMainloop == kDkdvMainloopSm90Ws, DkdvMainloopSm90Ws<Cfg>,
+                                   conditional_t<kMainloop == kDkdvMainloopSm90, DkdvMainloopSm90<Cfg>,
+                                                 DkdvMainloopSm80<Cfg>>>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_smem);
     Mainloop::check_smem(smem);
@@ -125,11 +133,25 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     const typename Cfg::Mask mask(params, seq);  // one head per block under the general mask
     const typename Cfg::Blocks blocks(mask, n_block);
 
+    if constexpr (Mainloop::kWarpSpecialized) {
+        Mainloop::init_barriers(smem);
+        __syncthreads();
+        if (threadIdx.x < Mainloop::kProducerThreads) {
+            sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
+            Mainloop::produce(params, b, group * heads, heads, n_block, blocks, smem);
+            return;
+        }
+        sm90::setmaxnreg_inc<Mainloop::kConsumerRegisters>();
+    }
     float acc_dv[Cfg::kDTiles][4];
     float acc_dk[Cfg::kDTiles][4];
     clear(acc_dv);
     clear(acc_dk);
-    Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+    if constexpr (Mainloop::kWarpSpecialized) {
+        Mainloop::consume(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+    } else {
+        Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+    }
     if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_dv, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
     DkdvEpilogue<Cfg, Mainloop>::store(params, b, group, heads, n_block, acc_dk, acc_dv);
 }

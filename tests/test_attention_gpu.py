@@ -224,6 +224,39 @@ def test_every_forward_mainloop(p, mainloop, monkeypatch):
     gu.check_attention(p)
 
 
+# Every dK/dV mainloop of sm_90a on the same problems (the backward of gu.check_attention), whichever one the
+# plans pick: mma.sync, wgmma with every thread loading, and the warp-specialized one (a producer warpgroup
+# loads and adds dQ from shared tiles; D64 / D128 without a bias, bool mask or dropout). Both backward modes:
+# the deterministic one has no dQ step in the dK/dV kernel.
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+@pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
+@pytest.mark.parametrize("p", MAINLOOP_PROBLEMS, ids=gu.problem_ids(MAINLOOP_PROBLEMS))
+def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
+    import cupy
+
+    from cuflash import api, kernels, launch
+    from cuflash.kernels import backward
+
+    if cupy.cuda.Device(0).compute_capability != "90":
+        pytest.skip("the wgmma mainloops need an sm_90 GPU")
+    kind = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
+            "sm90_ws": backward.MAINLOOP_SM90_WS}[mainloop]
+    bucket = kernels.head_dim_bucket(max(p.D, p.dv))
+    if kind != backward.MAINLOOP_SM80 and not backward.uses_wgmma(90, bucket):
+        pytest.skip(f"no wgmma dK/dV tile for D{bucket}")
+    if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, int(p.causal), 0):
+        pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}")
+    monkeypatch.setattr(backward, "dkdv_mainloop", lambda *args, **kwargs: kind)
+    monkeypatch.setattr(launch, "backward_plan", functools.lru_cache(maxsize=64)(launch.backward_plan.__wrapped__))
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+    shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
+    dkdv = [item.variant for item in launch.backward_plan(shape, 0, deterministic).launches
+            if item.variant.name == "cuflash::flash_bwd_dkdv_kernel"]
+    assert dkdv and dkdv[0].config.mainloop == kind
+    gu.check_attention(dataclasses.replace(p, deterministic=deterministic))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_forward_is_bit_identical(dtype, causal):

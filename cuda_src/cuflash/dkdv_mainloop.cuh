@@ -28,17 +28,18 @@
 
 namespace cuflash {
 
-// kRowWalk: copy_tile_flat's row walk (the wgmma mainloop's loads).
-template <typename Cfg, bool kRowWalk = false>
+// kRowWalk: copy_tile_flat's row walk (the wgmma mainloops' loads). kThreads: the threads that load (all of
+// the CTA's, or the warp-specialized kernel's producer warpgroup).
+template <typename Cfg, bool kRowWalk = false, int kThreads = Cfg::kThreads>
 struct DkdvLoads {
     using Elem = typename Cfg::Elem;
 
     // K, V of key block n_block (kv head of seq), into their single buffers.
     static __device__ __forceinline__ void load_kv(const AttnParams& p, const SeqInfo& seq, unsigned smem, int key0,
                                                    int tid) {
-        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
+        copy_tile_flat<typename Cfg::TileK, kThreads, kRowWalk>(smem + Cfg::kOffK, seq.k<Elem>(p, key0), p.k_row_stride,
                                              seq.seqlen_k - key0, p.head_dim, tid);
-        copy_tile_flat<typename Cfg::TileK, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
+        copy_tile_flat<typename Cfg::TileK, kThreads, kRowWalk>(smem + Cfg::kOffV, seq.v<Elem>(p, key0), p.v_row_stride,
                                              seq.seqlen_k - key0, p.head_dim_v, tid);
     }
 
@@ -51,18 +52,18 @@ struct DkdvLoads {
         const int q0 = m * Cfg::kBlockM;
         if constexpr (Cfg::kBias) {
             if (p.bias_staged) {
-                Cfg::BiasTileT::template copy<Cfg::kThreads>(smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, p,
+                Cfg::BiasTileT::template copy<kThreads>(smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, p,
                                                              seq.b, seq.h, q0, key0, tid);
             }
         }
         const int rows = seq.seqlen_q - q0;
-        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
                                              p.q_row_stride, rows, p.head_dim, tid);
-        copy_tile_flat<typename Cfg::TileQ, Cfg::kThreads, kRowWalk>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
+        copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
                                              p.do_row_stride, rows, p.head_dim_v, tid);
         const float* lse_ptr = seq.lse_in(p, q0);
         const float* dsum_ptr = seq.softmax_d(p, q0);
-        for (int i = tid; i < Cfg::kBlockM; i += Cfg::kThreads) {
+        for (int i = tid; i < Cfg::kBlockM; i += kThreads) {
             const bool valid = i < rows;
             cp_async_4(smem + Cfg::kOffLse + (stage * Cfg::kBlockM + i) * 4, lse_ptr + (valid ? i : 0), valid);
             cp_async_4(smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + i) * 4, dsum_ptr + (valid ? i : 0), valid);
@@ -79,10 +80,42 @@ struct DkdvMainloop {
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
     static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
 
+    static constexpr bool kWarpSpecialized = false;
+    // The thread's index among the threads that run the math (the epilogue's thread numbering).
+    static __device__ __forceinline__ int thread_index() { return threadIdx.x; }
     static __device__ __forceinline__ void check_smem(unsigned smem) {
         check_bwd_smem<Cfg::kSmemBytes, Math::kSmemAlign>(smem);
     }
     static __device__ __forceinline__ int col0(int nt, int d_split) { return Math::col0(nt, d_split); }
+
+    // One step's S^T = K . Q^T -> P^T (in acc_s; dropped probabilities marked negative) and dP^T = V . dO^T
+    // -> dS^T (in acc_dp), from the landed pipeline stage `stage` (transposed C layout: row = key, column =
+    // query). dbias_tile: dbias is stored later from a shared dS^T tile, not here.
+    static __device__ __forceinline__ void probs_and_dscores(const AttnParams& params, int b, int step_head,
+                                                             const typename Cfg::Mask& mask, bool masked,
+                                                             int seqlen_q, int query0, int key0, unsigned smem,
+                                                             int stage, unsigned s_q, unsigned s_do, const Role& r,
+                                                             bool dbias_tile, float (&acc_s)[kMTiles][4],
+                                                             float (&acc_dp)[kMTiles][4]) {
+        float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
+        const typename Cfg::ScoreMod mod(params, b, step_head, mask.causal_offset);
+        Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
+        const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
+        const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
+        const BiasTileRef bias_tile =
+            Cfg::kBias && params.bias_staged
+                ? BiasTileRef{smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, query0, key0, Cfg::BiasTileT::kPitch}
+                : BiasTileRef::none();
+        probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t,
+                              s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
+        if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
+            const typename Cfg::Dropout dropout(params, b, step_head);
+            dropout.mark_transposed(acc_s, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
+        }
+        Math::dprobs(acc_dp, smem, s_do, r);
+        dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum, params, key0 + r.key_row0 + r.g,
+                                query0 + r.q_col0 + 2 * r.t, !dbias_tile);
+    }
 
     // Query heads [h0, h0 + heads) (one kv head's), each over the query blocks of `blocks`: dK / dV
     // accumulate across all of them.
@@ -129,30 +162,13 @@ struct DkdvMainloop {
             }
             const Role r(opaque(tid));
 
-            // S^T = K . Q^T -> P^T; dP^T = V . dO^T -> dS^T (transposed C layout: row = key, column = query).
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
-            float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
-            const typename Cfg::ScoreMod mod(params, b, step_head, mask.causal_offset);
-            Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
-            const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
-            const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
-            const BiasTileRef bias_tile =
-                Cfg::kBias && params.bias_staged
-                    ? BiasTileRef{smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, query0, key0, Cfg::BiasTileT::kPitch}
-                    : BiasTileRef::none();
-            probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g,
-                                  r.t, s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
-            if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
-                const typename Cfg::Dropout dropout(params, b, step_head);
-                dropout.mark_transposed(acc_s, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);
-            }
-            Math::dprobs(acc_dp, smem, s_do, r);
             // dbias from the shared dS^T tile (coalesced) where the step stages one and it is dS itself.
             const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && params.dbias != nullptr && params.softcap == 0.f &&
                                     params.dbias_col_stride == 1;
-            dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum, params, key0 + r.key_row0 + r.g,
-                                    query0 + r.q_col0 + 2 * r.t, !dbias_tile);
+            probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, stage, s_q, s_do, r,
+                              dbias_tile, acc_s, acc_dp);
 
             // dV += P^T . dO (dropped probabilities as 0), dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             if constexpr (Cfg::Dropout::kEnabled) transform(acc_s, [](float x) { return fmaxf(x, 0.f); });

@@ -53,7 +53,7 @@ struct DkdvEpilogue {
     static __device__ __forceinline__ void store(const AttnParams& params, int b, int group, int heads,
                                                  int n_block, const float (&acc_dk)[kDTiles][4],
                                                  const float (&acc_dv)[kDTiles][4]) {
-        const typename Mainloop::Role r(opaque(threadIdx.x));
+        const typename Mainloop::Role r(opaque(Mainloop::thread_index()));
         const SeqInfo seq(params, b, opaque(group) * heads, LayoutOf<Cfg::kMask>());
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves

@@ -81,6 +81,10 @@ __device__ __forceinline__ float2 ld_shared_f32x2(unsigned addr) {
     return v;
 }
 
+__device__ __forceinline__ void st_shared_f32x2(unsigned addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
+}
+
 // 4-byte global->shared async copy, zero-filling when !valid (lse / softmax_d rows carry no 16-byte
 // alignment guarantee: their row stride is Sq).
 __device__ __forceinline__ void cp_async_4(unsigned smem_dst, const void* gmem_src, bool valid) {

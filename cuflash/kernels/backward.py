@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, MASK_KINDS, is_general, MOD_BIAS_SOFTCAP, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_CAUSAL, MASK_GENERAL, MASK_KINDS, MASK_NONE, is_general, MOD_BIAS_SOFTCAP, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
 from . import block_lists
 
 SOURCE = "flash_bwd.cu"
@@ -40,7 +40,7 @@ SMALL_NUM_WARPS = 4
 @dataclass(frozen=True)
 class DkdvConfig:
     """One dK/dV variant. The fields, in this order, are the template arguments of
-    ``flash_bwd_dkdv_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq, kWgmma>``
+    ``flash_bwd_dkdv_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq, kMainloop>``
     (``cuflash.build.render_name`` renders them)."""
 
     dtype: str  # "float16" or "bfloat16"
@@ -51,7 +51,11 @@ class DkdvConfig:
     mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
-    wgmma: bool  # the sm_90a warpgroup path instead of mma.sync
+    mainloop: int  # MAINLOOP_SM80 (mma.sync), MAINLOOP_SM90 (wgmma) or MAINLOOP_SM90_WS (warp-specialized)
+
+    @property
+    def wgmma(self) -> bool:
+        return self.mainloop != MAINLOOP_SM80
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,20 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # were 16, 44, 32). Their speed was not timed again (the bias backward is not in the grid).
                          (90, 128, 0, 2, False): 32,
                          (90, 128, 4, 2, True): 48,
-                         (90, 128, 5, 2, True): 48}
+                         (90, 128, 5, 2, True): 48,
+                         # The warp-specialized mainloop (branch ws-bwd, 2026-11-23): its producer warpgroup runs at
+                         # 24 registers (setmaxnreg 24 / 240; at 32 / 232 ptxas serialized the consumers' wgmma) and
+                         # spills the atomic path's dQ-add bookkeeping: nvcc 13.0 measured 44 / 44 / 124 (D128 none /
+                         # causal / general) and 84 / 84 / 156 (D64), +16 for NVRTC's allocation. The deterministic
+                         # variants spill nothing.
+                         (90, 128, 0, 0, True): 60, (90, 128, 1, 0, True): 60, (90, 128, 2, 0, True): 140,
+                         (90, 64, 0, 0, True): 100, (90, 64, 1, 0, True): 100, (90, 64, 2, 0, True): 172}
+
+#: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
+#: thread loading; wgmma behind a producer warpgroup (loads and the dQ adds; cuflash/dkdv_mainloop_sm90_ws.cuh).
+MAINLOOP_SM80, MAINLOOP_SM90, MAINLOOP_SM90_WS = 0, 1, 2
+#: The producer warpgroup of the warp-specialized mainloop, on top of the tile's math warps.
+PRODUCER_THREADS = 128
 
 #: Head-dim buckets whose dK/dV kernel runs on wgmma on sm_90a: whole 64-column panels, split evenly
 #: between the two warpgroups at head dim 256. The wgmma path reads each shared-memory operand once per
@@ -216,7 +233,7 @@ def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: int = 0) -> bool:
 _DKDV_TILES_WGMMA = {64: (128, 128, 8), 128: (64, 128, 8), 256: (64, 64, 8)}
 
 
-def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0) -> BwdTile:
+def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0, wgmma: bool | None = None) -> BwdTile:
     """(kBlockM, kBlockN, kNWarps) of the dK/dV kernel; the reasons are in the tables' comments.
 
     Causal uses the same tiles: only the diagonal blocks pay for the mask, and smaller tiles would not
@@ -224,7 +241,9 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0)
     modifier keeps its backward factor per score (softcap), which moves D32 and D64 to smaller tiles.
     """
     del causal
-    if uses_wgmma(arch, head_dim_bucket, score_mod):
+    if wgmma is None:
+        wgmma = uses_wgmma(arch, head_dim_bucket, score_mod)
+    if wgmma:
         return BwdTile(*_DKDV_TILES_WGMMA[head_dim_bucket])
     if score_mod and head_dim_bucket == 32:
         # The softcap factors of 128 queries (32 registers) push the 128 x 128 tile past 255 (28 bytes of
@@ -301,8 +320,34 @@ def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
                          SMALL_NUM_WARPS * 32, 0)
 
 
-def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0) -> KernelVariant:
-    tile = tile_sm80(arch, bucket, mask != 0, score_mod)
+def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
+    """Whether a dK/dV variant takes the warp-specialized mainloop on sm_90a: the 8-warp tiles whose warpgroups
+    hold whole query blocks (D64, D128), without a bias, a bool mask or dropout (their staged tiles and
+    per-score state do not fit beside the producer's stages and dQ tiles)."""
+    return (bucket in (64, 128) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL) and score_mod == 0)
+
+
+def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int) -> int:
+    """The dK/dV mainloop a variant runs by default."""
+    if not uses_wgmma(arch, bucket, score_mod):
+        return MAINLOOP_SM80
+    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) else MAINLOOP_SM90
+
+
+def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
+    """Mirror of what DkdvMainloopSm90Ws adds to DkdvConfig's layout: a second dS^T tile and two fp32 dQ
+    staging tiles (atomic path), then its mbarriers (1 + 2 * 2 stages + 4, rounded to 16 bytes)."""
+    extra = (block_n * block_m * ELEM_BYTES + 2 * block_m * head_dim * 4) if atomic_dq else 0
+    return extra + (9 * 8 + 15) // 16 * 16
+
+
+def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0,
+                 mainloop: int | None = None) -> KernelVariant:
+    if mainloop is None:
+        mainloop = dkdv_mainloop(arch, bucket, mask, score_mod)
+    if mainloop != MAINLOOP_SM80 and not uses_wgmma(arch, bucket, score_mod):
+        raise ValueError(f"no wgmma dK/dV tile for D{bucket} score_mod {score_mod} on sm_{arch}")
+    tile = tile_sm80(arch, bucket, mask != 0, score_mod, wgmma=mainloop != MAINLOOP_SM80)
     bias = has_bias(score_mod)
     smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
     # The bias tiles on top of a table tile chosen without them: halve the streamed queries until it fits
@@ -311,11 +356,17 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool,
     while bias and smem > arch_caps(arch).smem_per_block and tile.block_m // 2 // warps_d >= 16:
         tile = BwdTile(tile.block_m // 2, tile.block_n, tile.num_warps)
         smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
+    threads = tile.num_warps * 32
+    if mainloop == MAINLOOP_SM90_WS:
+        if not ws_fits(bucket, mask, score_mod):
+            raise ValueError(f"no warp-specialized dK/dV mainloop for D{bucket} mask {mask} score_mod {score_mod}")
+        smem += ws_extra_smem_bytes(tile.block_m, tile.block_n, bucket, atomic_dq)
+        threads += PRODUCER_THREADS
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dkdv_kernel",
         DkdvConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod),
-                   bool(atomic_dq), uses_wgmma(arch, bucket, score_mod)),
-        tile.num_warps * 32, smem), arch)
+                   bool(atomic_dq), int(mainloop)),
+        threads, smem), arch)
 
 
 def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: int = 0) -> KernelVariant:

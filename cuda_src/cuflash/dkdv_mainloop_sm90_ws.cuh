@@ -1,0 +1,252 @@
+// The warp-specialized sm_90a dK/dV mainloop (DkdvMainloopSm90Ws): a producer warpgroup loads and adds dQ,
+// two consumer warpgroups (the 8 warps of DkdvWgmmaSm90's layout: warpgroup g owns keys 64g .. +64) run the
+// GEMMs and the P / dS math. Only the dS^T exchange of the atomic dQ step joins the consumers; nothing joins
+// them with the producer but mbarriers:
+//   kv_full          K, V of the block landed (once)
+//   q_full[s]        stage s holds the step's Q, dO, lse, D (producer -> consumers)
+//   q_empty[s]       both consumer warpgroups are done with stage s (consumers -> producer)
+//   dq_full[d]       dQ staging tile d holds the step's dS.K (consumers -> producer; atomic path)
+//   dq_empty[d]      the producer's bulk add has read tile d (producer -> consumers)
+// The producer copies with cp.async (DkdvLoads on its 128 threads) and publishes a stage the way the
+// warp-specialized forward does (wait_group, fence.proxy.async, arrive); one producer thread adds each
+// step's staged dQ (kBlockM contiguous dq_accum rows) with one cp.reduce.async.bulk.
+//
+// Consumers, per step: wait q_full; S^T and dP^T (wgmma) -> P^T, dS^T (DkdvMainloop::probs_and_dscores,
+// shared with the other mainloops); on the atomic path dS^T into the step's shared tile (two, alternating)
+// and one named barrier of the 256 consumer threads; dQ, dV, dK batches; dQ into the staging tile; arrive
+// q_empty once dV / dK have read the stage. The dS^T tiles alternate by step: a warpgroup writes tile
+// (i + 1) & 1 only after the barrier of step i, which the other warpgroup reaches after its dQ GEMM of
+// step i - 1 (the last reader of that tile) has completed.
+//
+// Registers: the launch cap of 384 threads (168) is split 40 / 232 by setmaxnreg.
+#pragma once
+
+#include "cuflash/bulk_sm90.cuh"
+#include "cuflash/dkdv_mainloop.cuh"
+#include "cuflash/dkdv_mainloop_sm90.cuh"
+#include "cuflash/pipeline_sm90.cuh"
+
+namespace cuflash {
+
+template <typename Cfg>
+struct DkdvMainloopSm90Ws {
+    using Elem = typename Cfg::Elem;
+    using Math = DkdvWgmmaSm90<Cfg>;
+    using Steps = DkdvMainloop<Cfg, Math>;  // probs_and_dscores
+    using Role = typename Math::Role;
+    using TileQ = typename Cfg::TileQ;
+    using DqStep = typename Math::DqStep;
+    static constexpr bool kWarpSpecialized = true;
+    static constexpr int kProducerThreads = 128;
+    static constexpr int kConsumerThreads = Cfg::kThreads;
+    static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+    static constexpr int kConsumerRegisters = 240;
+    static constexpr int kProducerRegisters = (168 * 384 - kConsumerRegisters * 256) / 128;
+    static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
+    static constexpr int kDsBarrier = 1;  // named barrier: the consumers' dS^T tiles of a step written
+    static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
+    static constexpr int kStages = 2;  // DkdvConfig's Q / dO / lse / D stages
+    static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
+    using Loads = DkdvLoads<Cfg, true, kProducerThreads>;  // the row walk, on the producer's 128 threads
+    static_assert(Cfg::kNWarps == 8 && Cfg::kWarpsD == 1 && !Cfg::kBias && !Cfg::Dropout::kEnabled,
+                  "the warp-specialized dK/dV mainloop takes the 8-warp, whole-query-block wgmma layout without a "
+                  "bias or dropout");
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(sizeof(Cfg) == 0, "the warp-specialized dK/dV mainloop compiles for sm_90a only");
+#endif
+
+    // Shared memory: Cfg's layout (its dS^T tile is tile 0), then the second dS^T tile, the two dQ staging
+    // tiles (kBlockM rows x kHeadDim fp32, dq_accum's own row layout) and the mbarriers.
+    static constexpr int kDqTileBytes = Cfg::kBlockM * Cfg::kHeadDim * 4;
+    static constexpr int kOffDs1 = Cfg::kSmemBytes;
+    static constexpr int kOffDqStage = kOffDs1 + (Cfg::kAtomicDq ? Cfg::TileP::kBytes : 0);
+    static constexpr int kOffBarriers = kOffDqStage + (Cfg::kAtomicDq ? 2 * kDqTileBytes : 0);
+    static constexpr int kBarriers = 1 + 2 * kStages + 4;
+    static constexpr int kSmemBytes = kOffBarriers + (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
+    static_assert(Cfg::kSmemBytes % 16 == 0 && Cfg::TileP::kBytes % 1024 == 0, "tile alignment");
+
+    static __device__ __forceinline__ void check_smem(unsigned smem) { check_bwd_smem<kSmemBytes, Math::kSmemAlign>(smem); }
+    static __device__ __forceinline__ int col0(int nt, int d_split) { return Math::col0(nt, d_split); }
+    // The consumers' index (the epilogue's thread numbering).
+    static __device__ __forceinline__ int thread_index() { return int(threadIdx.x) - kProducerThreads; }
+
+    static __device__ __forceinline__ unsigned barrier(unsigned smem, int index) {
+        return smem + kOffBarriers + index * sm90::kMbarrierBytes;
+    }
+    static __device__ __forceinline__ unsigned kv_full(unsigned smem) { return barrier(smem, 0); }
+    static __device__ __forceinline__ unsigned q_full(unsigned smem, int s) { return barrier(smem, 1 + s); }
+    static __device__ __forceinline__ unsigned q_empty(unsigned smem, int s) { return barrier(smem, 1 + kStages + s); }
+    static __device__ __forceinline__ unsigned dq_full(unsigned smem, int d) { return barrier(smem, 1 + 2 * kStages + d); }
+    static __device__ __forceinline__ unsigned dq_empty(unsigned smem, int d) { return barrier(smem, 3 + 2 * kStages + d); }
+    static __device__ __forceinline__ unsigned ds_tile(unsigned smem, int step) {
+        return smem + ((step & 1) ? kOffDs1 : Cfg::kOffDs);
+    }
+    static __device__ __forceinline__ unsigned dq_tile(unsigned smem, int step) {
+        return smem + kOffDqStage + (step & 1) * kDqTileBytes;
+    }
+
+    // Thread 0 sets up the barriers; the kernel's __syncthreads publishes them before the roles split.
+    static __device__ __forceinline__ void init_barriers(unsigned smem) {
+        if (threadIdx.x == 0) {
+            sm90::mbarrier_init(kv_full(smem), kProducerThreads);
+            for (int s = 0; s < kStages; ++s) {
+                sm90::mbarrier_init(q_full(smem, s), kProducerThreads);
+                sm90::mbarrier_init(q_empty(smem, s), kConsumerThreads);
+            }
+            for (int d = 0; d < 2; ++d) {
+                sm90::mbarrier_init(dq_full(smem, d), kConsumerThreads);
+                sm90::mbarrier_init(dq_empty(smem, d), 1);
+            }
+        }
+    }
+
+    // The step order both roles walk: block i of head h, from block `first`, wrapping around to the next
+    // head (DkdvMainloop::run's order).
+    struct Cursor {
+        int i, h, first, num_m_blocks;
+        __device__ __forceinline__ void advance() {
+            i = i + 1 == num_m_blocks ? 0 : i + 1;
+            if (i == first) ++h;
+        }
+    };
+    static __device__ __forceinline__ Cursor start(int n_block, int h0, int num_m_blocks) {
+        const int first = Cfg::kAtomicDq && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
+        return Cursor{first, h0, first, num_m_blocks};
+    }
+
+    // -------------------------------------------------------------------------------------- producer
+    static __device__ __forceinline__ void produce(const AttnParams& params, int b, int h0, int heads, int n_block,
+                                                   const typename Cfg::Blocks& blocks, unsigned smem) {
+        const int tid = threadIdx.x;
+        const int num_m_blocks = blocks.count();
+        const int num_steps = heads * num_m_blocks;
+        const int key0 = n_block * Cfg::kBlockN;
+        if (num_steps == 0) return;
+        Cursor c = start(n_block, h0, num_m_blocks);
+        {
+            const SeqInfo seq(params, b, h0, LayoutOf<Cfg::kMask>());
+            Loads::load_kv(params, seq, smem, key0, tid);
+            sm80::cp_async_commit();
+        }
+        // Group k (k >= 1) is step k - 1's stage; group 0 is K, V. A group is published (its barrier
+        // arrived on) once the next one is issued, or at the end.
+        unsigned pending = kv_full(smem);
+        int prev_i = 0, prev_h = 0;  // the last step's block and head: its dQ is added during this step
+        for (int step = 0; step < num_steps; ++step) {
+            const int s = step % kStages;
+            if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
+            // Opaque (b, h, tid): the addresses are rebuilt from the constant bank on each call instead of
+            // held across the loop in the producer's few registers.
+            Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
+                                blocks.block(c.i), s, opaque(tid), key0);
+            sm80::cp_async_commit();
+            sm80::cp_async_wait<1>();
+            sm90::fence_proxy_async();
+            sm90::mbarrier_arrive(pending);
+            pending = q_full(smem, s);
+            if constexpr (Cfg::kAtomicDq) {
+                if (step >= 1) add_dq(params, b, blocks.block(prev_i), prev_h, smem, step - 1);
+            }
+            prev_i = c.i;
+            prev_h = c.h;
+            c.advance();
+        }
+        sm80::cp_async_wait<0>();
+        sm90::fence_proxy_async();
+        sm90::mbarrier_arrive(pending);
+        if constexpr (Cfg::kAtomicDq) {
+            add_dq(params, b, blocks.block(prev_i), prev_h, smem, num_steps - 1);
+            if (tid == 0) sm90::bulk_wait<0>();  // the adds are complete before the CTA (and its tiles) go
+        }
+    }
+
+    // Step `step`'s staged dQ (dS . K of query block m_block of head `head`, unscaled) added into dq_accum by
+    // one thread: kBlockM whole rows, contiguous there. Rows past the sequence carry +-0 (WgmmaDqStep::add).
+    static __device__ __forceinline__ void add_dq(const AttnParams& params, int b, int m_block, int head, unsigned smem,
+                                                  int step) {
+        if (threadIdx.x != 0) return;
+        sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
+        float* rows =
+            SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
+        sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), kDqTileBytes);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();
+        sm90::mbarrier_arrive(dq_empty(smem, step & 1));
+    }
+
+    // -------------------------------------------------------------------------------------- consumers
+    static __device__ __forceinline__ void consume(const AttnParams& params, int b, int h0, int heads, int n_block,
+                                                   const typename Cfg::Blocks& blocks, const typename Cfg::Mask& mask,
+                                                   unsigned smem, float (&acc_dk)[kDTiles][4],
+                                                   float (&acc_dv)[kDTiles][4]) {
+        const int tid = thread_index();
+        const int num_m_blocks = blocks.count();
+        const int num_steps = heads * num_m_blocks;
+        const int key0 = n_block * Cfg::kBlockN;
+        const int seqlen_q = mask.seqlen_q;
+        Cursor c = start(n_block, h0, num_m_blocks);
+        if (num_steps > 0) sm90::mbarrier_wait(kv_full(smem), 0);
+        for (int step = 0; step < num_steps; ++step) {
+            const int s = step % kStages;
+            const int query0 = blocks.block(c.i) * Cfg::kBlockM;
+            const bool masked = blocks.masked(c.i);
+            const int step_head = c.h;
+            c.advance();
+            const unsigned s_q = smem + Cfg::kOffQ + s * TileQ::kBytes;
+            const unsigned s_do = smem + Cfg::kOffDo + s * TileQ::kBytes;
+            sm90::mbarrier_wait(q_full(smem, s), (step / kStages) & 1);
+            const Role r(opaque(tid));
+
+            float acc_s[kMTiles][4];
+            float acc_dp[kMTiles][4];
+            Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
+                                     r, false, acc_s, acc_dp);
+
+            // dV += P^T . dO, dK += dS^T . Q from registers; with kAtomicDq first dQ = dS . K from the shared
+            // dS^T tiles of both warpgroups.
+            unsigned p_frag[Cfg::kBlockM / 16][4], ds_frag[Cfg::kBlockM / 16][4];
+            pack_a<Elem>(p_frag, acc_s);
+            pack_a<Elem>(ds_frag, acc_dp);
+            float acc_dq[DqStep::kNTiles][4];
+            if constexpr (Cfg::kAtomicDq) {
+                const unsigned s_ds = ds_tile(smem, step);
+                store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+                sm90::fence_proxy_async();
+                sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
+                DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+            }
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dk);
+            sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
+            sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dk, ds_frag, s_q, 0, 0, true);
+            if constexpr (Cfg::kAtomicDq) {
+                sm90::wait<2>();
+                sm90::fence_operand(acc_dq);
+                if (step >= 2) sm90::mbarrier_wait(dq_empty(smem, step & 1), ((step >> 1) - 1) & 1);
+                stage_dq(acc_dq, r, dq_tile(smem, step));
+                sm90::mbarrier_arrive(dq_full(smem, step & 1));
+            }
+            sm90::wait<0>();
+            sm90::fence_operand(acc_dv);
+            sm90::fence_operand(acc_dk);
+            sm90::mbarrier_arrive(q_empty(smem, s));  // Q, dO, lse, D of stage s are read
+        }
+    }
+
+    // The warp's part of the step's dQ into the staging tile (row-major fp32, kHeadDim per row: the rows
+    // of dq_accum, so one bulk add moves the whole tile); the generic-proxy stores are fenced for it.
+    template <int kNT>
+    static __device__ __forceinline__ void stage_dq(const float (&acc)[kNT][4], const Role& r, unsigned tile) {
+        const int row = DqStep::query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
+        const int col = DqStep::panel0(r.warp) * sm90::kPanelCols + 2 * r.t;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const unsigned at = tile + (row * Cfg::kHeadDim + col + nt * 8) * 4;
+            st_shared_f32x2(at, acc[nt][0], acc[nt][1]);
+            st_shared_f32x2(at + 8 * Cfg::kHeadDim * 4, acc[nt][2], acc[nt][3]);
+        }
+        sm90::fence_proxy_async();
+    }
+};
+
+}  // namespace cuflash
