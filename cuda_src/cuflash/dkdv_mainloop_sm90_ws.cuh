@@ -63,7 +63,8 @@ struct DkdvMainloopSm90Ws {
     static constexpr int kOffBarriers = kOffDqStage + (Cfg::kAtomicDq ? 2 * kDqTileBytes : 0);
     static constexpr int kBarriers = 1 + 2 * kStages + 4;
     static constexpr int kSmemBytes = kOffBarriers + (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
-    static_assert(Cfg::kSmemBytes % 16 == 0 && Cfg::TileP::kBytes % 1024 == 0, "tile alignment");
+    static_assert(kOffDs1 % 1024 == 0 && Cfg::TileP::kBytes % 1024 == 0,
+                  "the second dS^T tile needs the 1024-byte alignment of wgmma's 128-byte swizzle");
 
     static __device__ __forceinline__ void check_smem(unsigned smem) { check_bwd_smem<kSmemBytes, Math::kSmemAlign>(smem); }
     static __device__ __forceinline__ int col0(int nt, int d_split) { return Math::col0(nt, d_split); }
