@@ -116,6 +116,11 @@ struct DkdvMainloopSm90Ws {
     }
 
     // -------------------------------------------------------------------------------------- producer
+    // Iteration k publishes step k - 1's stage (issued one iteration earlier, while the consumers ran step
+    // k - 2), adds step k - 2's dQ, then waits for the consumers to free stage k % 2 (step k - 2 done) and
+    // issues step k's loads. Nothing the consumers wait for at a step's start sits behind the load issue or a
+    // dQ add: a stage is published as soon as its bytes landed, and the add of step k - 2 (whose tile the
+    // consumers reuse only at step k's dQ) releases its tile one iteration later, when its read is done.
     static __device__ __forceinline__ void produce(const AttnParams& params, int b, int h0, int heads, int n_block,
                                                    const typename Cfg::Blocks& blocks, unsigned smem) {
         const int tid = threadIdx.x;
@@ -129,40 +134,42 @@ struct DkdvMainloopSm90Ws {
             Loads::load_kv(params, seq, smem, key0, tid);
             sm80::cp_async_commit();
         }
-        // Group k (k >= 1) is step k - 1's stage; group 0 is K, V. A group is published (its barrier
-        // arrived on) once the next one is issued, or at the end.
-        unsigned pending = kv_full(smem);
-        int prev_i = 0, prev_h = 0;  // the last step's block and head: its dQ is added during this step
+        // The block and head of steps k - 1 and k - 2 (their dQ is added later).
+        int i1 = 0, h1 = 0, i2 = 0, h2 = 0;
         for (int step = 0; step < num_steps; ++step) {
             const int s = step % kStages;
+            // Publish the newest group: K, V at step 0, step - 1's stage after.
+            sm80::cp_async_wait<0>();
+            sm90::fence_proxy_async();
+            sm90::mbarrier_arrive(step == 0 ? kv_full(smem) : q_full(smem, (step - 1) % kStages));
+            if constexpr (Cfg::kAtomicDq) {
+                if (step >= 2) add_dq(params, b, blocks.block(i2), h2, smem, step - 2);
+            }
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
             // Opaque (b, h, tid): the addresses are rebuilt from the constant bank on each call instead of
             // held across the loop in the producer's few registers.
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
                                 blocks.block(c.i), s, opaque(tid), key0);
             sm80::cp_async_commit();
-            sm80::cp_async_wait<1>();
-            sm90::fence_proxy_async();
-            sm90::mbarrier_arrive(pending);
-            pending = q_full(smem, s);
-            if constexpr (Cfg::kAtomicDq) {
-                if (step >= 1) add_dq(params, b, blocks.block(prev_i), prev_h, smem, step - 1);
-            }
-            prev_i = c.i;
-            prev_h = c.h;
+            i2 = i1;
+            h2 = h1;
+            i1 = c.i;
+            h1 = c.h;
             c.advance();
         }
         sm80::cp_async_wait<0>();
         sm90::fence_proxy_async();
-        sm90::mbarrier_arrive(pending);
+        sm90::mbarrier_arrive(q_full(smem, (num_steps - 1) % kStages));
         if constexpr (Cfg::kAtomicDq) {
-            add_dq(params, b, blocks.block(prev_i), prev_h, smem, num_steps - 1);
+            if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2);
+            add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1);
             if (tid == 0) sm90::bulk_wait<0>();  // the adds are complete before the CTA (and its tiles) go
         }
     }
 
     // Step `step`'s staged dQ (dS . K of query block m_block of head `head`, unscaled) added into dq_accum by
     // one thread: kBlockM whole rows, contiguous there. Rows past the sequence carry +-0 (WgmmaDqStep::add).
+    // Then the tile of step - 1, whose add was issued one call earlier, goes back to the consumers once read.
     static __device__ __forceinline__ void add_dq(const AttnParams& params, int b, int m_block, int head, unsigned smem,
                                                   int step) {
         if (threadIdx.x != 0) return;
@@ -171,8 +178,10 @@ struct DkdvMainloopSm90Ws {
             SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
         sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), kDqTileBytes);
         sm90::bulk_commit();
-        sm90::bulk_wait_read<0>();
-        sm90::mbarrier_arrive(dq_empty(smem, step & 1));
+        if (step >= 1) {
+            sm90::bulk_wait_read<1>();
+            sm90::mbarrier_arrive(dq_empty(smem, (step - 1) & 1));
+        }
     }
 
     // -------------------------------------------------------------------------------------- consumers
@@ -236,15 +245,41 @@ struct DkdvMainloopSm90Ws {
 
     // The warp's part of the step's dQ into the staging tile (row-major fp32, kHeadDim per row: the rows
     // of dq_accum, so one bulk add moves the whole tile); the generic-proxy stores are fenced for it.
+    // Rows are 128-byte multiples apart, so stores of the fragment layout (8 rows, the same columns) would
+    // land on the same banks. Instead a thread pair swaps halves (one shuffle per two floats) and each thread
+    // stores 16 bytes; even rows write the 16 columns of one n-tile pair and odd rows the pair beside it, so
+    // a store instruction covers 8 rows x 64 bytes on all 32 banks (4 wavefronts for 512 bytes).
     template <int kNT>
     static __device__ __forceinline__ void stage_dq(const float (&acc)[kNT][4], const Role& r, unsigned tile) {
+        static_assert(DqStep::kSplitQueries || DqStep::kSplitColumns,
+                      "each (row, column) of the staged dQ has one writer");
+        static_assert(kNT % 4 == 0, "the staging pairs n-tiles in groups of four");
         const int row = DqStep::query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
-        const int col = DqStep::panel0(r.warp) * sm90::kPanelCols + 2 * r.t;
+        const bool odd_t = r.t & 1;
+        const int odd_g = r.g & 1;
+        // This thread's 4 columns in its pair's 16: t = 0, 2 the low n-tile's 0-3, 4-7; t = 1, 3 the high one's.
+        const unsigned base = tile + (row * Cfg::kHeadDim + DqStep::panel0(r.warp) * sm90::kPanelCols +
+                                      8 * (r.t & 1) + 2 * (r.t & 2)) * 4;
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-            const unsigned at = tile + (row * Cfg::kHeadDim + col + nt * 8) * 4;
-            st_shared_f32x2(at, acc[nt][0], acc[nt][1]);
-            st_shared_f32x2(at + 8 * Cfg::kHeadDim * 4, acc[nt][2], acc[nt][3]);
+        for (int q = 0; q < kNT / 4; ++q) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int pair = 2 * q + (hh ^ odd_g);
+                const bool upper = hh ^ odd_g;  // n-tiles 4q + 2, 4q + 3 instead of 4q, 4q + 1
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {  // rows g, g + 8
+                    const int j = 2 * half;
+                    const float lo0 = upper ? acc[4 * q + 2][j] : acc[4 * q][j];
+                    const float lo1 = upper ? acc[4 * q + 2][j + 1] : acc[4 * q][j + 1];
+                    const float hi0 = upper ? acc[4 * q + 3][j] : acc[4 * q + 1][j];
+                    const float hi1 = upper ? acc[4 * q + 3][j + 1] : acc[4 * q + 1][j + 1];
+                    const float got0 = __shfl_xor_sync(0xffffffffu, odd_t ? lo0 : hi0, 1);
+                    const float got1 = __shfl_xor_sync(0xffffffffu, odd_t ? lo1 : hi1, 1);
+                    const unsigned at = base + (half * 8 * Cfg::kHeadDim + pair * 16) * 4;
+                    st_shared_f32x4(at, odd_t ? got0 : lo0, odd_t ? got1 : lo1, odd_t ? hi0 : got0,
+                                    odd_t ? hi1 : got1);
+                }
+            }
         }
         sm90::fence_proxy_async();
     }

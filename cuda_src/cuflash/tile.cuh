@@ -81,8 +81,8 @@ __device__ __forceinline__ float2 ld_shared_f32x2(unsigned addr) {
     return v;
 }
 
-__device__ __forceinline__ void st_shared_f32x2(unsigned addr, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
+__device__ __forceinline__ void st_shared_f32x4(unsigned addr, float x, float y, float z, float w) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z), "f"(w));
 }
 
 // 4-byte global->shared async copy, zero-filling when !valid (lse / softmax_d rows carry no 16-byte
