@@ -63,6 +63,8 @@ def cases(quick: bool = False) -> list:
             Case("rows that see no key, MQA, dlse", dtype, 1, 70, 33, 4, 1, 40, 40, True, True, True),
             Case("bucket 160, several blocks", dtype, 1, 130, 129, 2, 2, 136, 136, True, False, False),
             Case("bucket 128 (the hot tile), several blocks, GQA", dtype, 1, 200, 333, 4, 2, 128, 128, True, False, False),
+            Case("deterministic, causal, several blocks (the warp-specialized dK/dV mainloop), GQA", dtype, 2, 300, 333, 4,
+                 2, 128, 128, True, True, False),
             Case("persistent: more tiles than SMs (140), a CTA walks two, GQA", dtype, 35, 70, 90, 4, 2, 128, 128, False,
                  False, False),
             Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),
@@ -304,7 +306,25 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="print the cases and kernels, run nothing")
     parser.add_argument("--keep-pool", action="store_true", help="keep CuPy's memory pool (faster, blinder)")
     parser.add_argument("--cases", metavar="REGEX", help="only the cases whose description matches REGEX")
+    parser.add_argument("--dkdv-mainloop", choices=("sm80", "sm90", "sm90_ws"),
+                        help="run every dK/dV kernel that can take it on this mainloop (sm_90a; e.g. sm90_ws for the "
+                             "warp-specialized one's atomic dQ step, which the plans do not pick)")
     args = parser.parse_args(argv)
+    if args.dkdv_mainloop:
+        from cuflash.kernels import backward
+
+        forced = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
+                  "sm90_ws": backward.MAINLOOP_SM90_WS}[args.dkdv_mainloop]
+        default = backward.dkdv_mainloop
+
+        def pick(arch, bucket, mask, score_mod, atomic_dq):
+            kind = default(arch, bucket, mask, score_mod, atomic_dq)
+            if kind == backward.MAINLOOP_SM80 or (forced == backward.MAINLOOP_SM90_WS
+                                                   and not backward.ws_fits(bucket, mask, score_mod)):
+                return kind
+            return forced
+
+        backward.dkdv_mainloop = pick
 
     import cupy
 

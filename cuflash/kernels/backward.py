@@ -327,11 +327,14 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     return (bucket in (64, 128) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL) and score_mod == 0)
 
 
-def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int) -> int:
-    """The dK/dV mainloop a variant runs by default."""
+def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: bool) -> int:
+    """The dK/dV mainloop a variant runs by default. The warp-specialized one only for the deterministic
+    backward (no dQ step in this kernel): with the atomic dQ step it measured 0.96-1.01x the wgmma mainloop
+    (H100, session 9: its one-thread bulk adds of staged dQ tiles against the warps' own fp32 atomics), and
+    1.02-1.13x without it."""
     if not uses_wgmma(arch, bucket, score_mod):
         return MAINLOOP_SM80
-    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) else MAINLOOP_SM90
+    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) and not atomic_dq else MAINLOOP_SM90
 
 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
@@ -344,7 +347,7 @@ def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bo
 def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0,
                  mainloop: int | None = None) -> KernelVariant:
     if mainloop is None:
-        mainloop = dkdv_mainloop(arch, bucket, mask, score_mod)
+        mainloop = dkdv_mainloop(arch, bucket, mask, score_mod, atomic_dq)
     if mainloop != MAINLOOP_SM80 and not uses_wgmma(arch, bucket, score_mod):
         raise ValueError(f"no wgmma dK/dV tile for D{bucket} score_mod {score_mod} on sm_{arch}")
     tile = tile_sm80(arch, bucket, mask != 0, score_mod, wgmma=mainloop != MAINLOOP_SM80)
