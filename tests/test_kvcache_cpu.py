@@ -184,10 +184,34 @@ def test_a_repeated_call_patches_pointers_into_the_same_block(gpu):
     assert second[1]["lse_accum"] - second[1]["o_accum"] == -(-o_bytes // 256) * 256  # one allocation, carved
 
 
-def test_host_lengths_are_never_cached(gpu):
+def test_host_lengths_are_never_cached(gpu, monkeypatch):
+    import cupy
+
     B, H, Hkv, D = 2, 8, 2, 64
     q = gpu.array((B, 1, H, D), BF16)
     k, v, _ = _cache(gpu, B, 128, Hkv, D)
-    with pytest.raises(Exception):  # host data is copied with CuPy, which the fake GPU cannot do
-        cuflash.attention_with_kvcache(q, k, v, [3, 4])
+    copies = []
+
+    def copy_to_fake_gpu(host):  # the same on machines with and without a GPU: the copy lands at a fake address
+        copies.append(np.array(host))
+        return gpu.array(np.shape(host), np.int32)
+
+    class NoDeviceSwitch:  # the copy's device scope, which a machine without a GPU cannot enter
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cupy, "asarray", copy_to_fake_gpu)
+    monkeypatch.setattr(cupy.cuda, "Device", NoDeviceSwitch)
+    cuflash.attention_with_kvcache(q, k, v, [3, 4])
+    assert [c.tolist() for c in copies] == [[3, 4]] and len(gpu.launches) >= 1
+    assert not cuflash.kvcache._plans
+    # The next call with the same shapes validates again: a length past the capacity is caught.
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        cuflash.attention_with_kvcache(q, k, v, [3, 200])
     assert not cuflash.kvcache._plans
