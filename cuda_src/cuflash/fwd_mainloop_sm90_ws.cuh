@@ -72,6 +72,13 @@ struct FwdMainloopSm90Ws
     // at D256 (acc_o alone is 128 registers) 128 x 40 + 256 x 232. ptxas 13.0: the producer's tile loop spills
     // 16 bytes at 40 (D64), the D256 consumers 12 at 224; 24 / 240 spilled in the producer's copies.
     static constexpr int kConsumerRegisters = Cfg::kHeadDim == 256 ? 232 : 224;
+    // D64 is bound by the exponentials (per warpgroup step 8192 of them, 512 clocks of MUFU.EX2, against 554
+    // of wgmma at the tensor pipe's peak): every 8th n-tile's go to the FMA pipe (exp2_fma). H100, session 9,
+    // three interleaved A/B rounds against all-MUFU: unmasked S1k / S4k / S16k 1.03x / 1.05x / 1.04x; causal
+    // S4k / S16k 1.00x / 0.98x (the mask's selects already load the FMA pipe) and every 4th n-tile worse than
+    // every 8th, so only the unmasked variant without a score modifier (the one measured) takes it.
+    static constexpr int kFmaExpEvery =
+        Cfg::kHeadDim == 64 && Cfg::kMask == kNoMask && is_same_v<typename Cfg::ScoreMod, IdentityScoreMod> ? 8 : 0;
     static constexpr int kProducerRegisters = (168 * 384 - kConsumerRegisters * 256) / 128;
     static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
     static constexpr int kSchedBarrier = 1;      // named barriers 1, 2: the consumers' turns
@@ -246,7 +253,7 @@ struct FwdMainloopSm90Ws
             if constexpr (!Cfg::kBias) release_k(0);
             this->modify_and_mask(acc_s, 0, this->blocks.block(0), r0);
             if constexpr (Cfg::kBias) release_k(0);
-            softmax.update(acc_s, acc_o, scale_log2);
+            softmax.template update<kFmaExpEvery>(acc_s, acc_o, scale_log2);
             this->drop(acc_s, this->blocks.block(0));
             pack_a<Elem>(p_frag, acc_s[0]);
         }
@@ -264,7 +271,7 @@ struct FwdMainloopSm90Ws
             if constexpr (!Cfg::kBias) release_k(j);
             this->modify_and_mask(acc_s, j, this->blocks.block(j), r);
             if constexpr (Cfg::kBias) release_k(j);
-            softmax_under_pv<Elem>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
+            softmax_under_pv<Elem, kFmaExpEvery>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
                                    [&] { sm90::mbarrier_arrive(v_empty(r - 1)); });
         }
         const int r_last = r0 + n - 1;
