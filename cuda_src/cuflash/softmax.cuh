@@ -155,7 +155,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = quad_allreduce_sum(row_sum[mt][half]);
-                // l >= 1 whenever the row saw a key (its maximum contributes exp2(0) = 1).
+                // l >= 1 whenever the row saw a key (its maximum contributes exp2(0) = 1; 0.99993 through exp2_fma).
                 const bool empty = l == 0.f;
                 const float inv_l = empty ? 0.f : 1.f / l;
                 lse[mt][half] = empty ? -INFINITY : fmaf(row_max[mt][half], scale, logf(l));
