@@ -201,12 +201,22 @@ MAINLOOP_PROBLEMS = (
 )
 
 
+def own_plan_caches(monkeypatch):
+    """Plan caches of the test's own: a patched mainloop choice must neither read nor leave cached plans."""
+    from cuflash import api, launch
+
+    for name in ("forward_plan", "backward_plan"):
+        monkeypatch.setattr(launch, name, functools.lru_cache(maxsize=64)(getattr(launch, name).__wrapped__))
+    monkeypatch.setattr(api, "_forward_plans", {})
+    monkeypatch.setattr(api, "_backward_plans", {})
+
+
 @pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
 @pytest.mark.parametrize("p", MAINLOOP_PROBLEMS, ids=gu.problem_ids(MAINLOOP_PROBLEMS))
 def test_every_forward_mainloop(p, mainloop, monkeypatch):
     import cupy
 
-    from cuflash import api, kernels, launch
+    from cuflash import kernels, launch
     from cuflash.kernels import forward
 
     if cupy.cuda.Device(0).compute_capability != "90":
@@ -215,10 +225,7 @@ def test_every_forward_mainloop(p, mainloop, monkeypatch):
     if kind == forward.MAINLOOP_SM90 and p.D not in forward.WGMMA_BUCKETS:
         pytest.skip(f"no 8-warp wgmma tile for D{p.D}")
     monkeypatch.setattr(forward, "default_mainloop", lambda *args, **kwargs: kind)
-    # a plan cache of its own for the test (the patched choice must neither read nor leave cached plans)
-    monkeypatch.setattr(launch, "forward_plan", functools.lru_cache(maxsize=64)(launch.forward_plan.__wrapped__))
-    monkeypatch.setattr(api, "_forward_plans", {})
-    monkeypatch.setattr(api, "_backward_plans", {})
+    own_plan_caches(monkeypatch)
     shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
     assert launch.forward_plan(shape, 0).launches[-1].variant.config.mainloop == kind
     gu.check_attention(p)
@@ -234,7 +241,7 @@ def test_every_forward_mainloop(p, mainloop, monkeypatch):
 def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
     import cupy
 
-    from cuflash import api, kernels, launch
+    from cuflash import kernels, launch
     from cuflash.kernels import backward
 
     if cupy.cuda.Device(0).compute_capability != "90":
@@ -247,9 +254,7 @@ def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
     if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, int(p.causal), 0):
         pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}")
     monkeypatch.setattr(backward, "dkdv_mainloop", lambda *args, **kwargs: kind)
-    monkeypatch.setattr(launch, "backward_plan", functools.lru_cache(maxsize=64)(launch.backward_plan.__wrapped__))
-    monkeypatch.setattr(api, "_forward_plans", {})
-    monkeypatch.setattr(api, "_backward_plans", {})
+    own_plan_caches(monkeypatch)
     shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
     dkdv = [item.variant for item in launch.backward_plan(shape, 0, deterministic).launches
             if item.variant.name == "cuflash::flash_bwd_dkdv_kernel"]
