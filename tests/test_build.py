@@ -88,7 +88,7 @@ def test_config_field_order_is_the_template_argument_order():
     tile = dkdv.config
     assert build.render_name(dkdv) == (
         f"cuflash::flash_bwd_dkdv_kernel<__half, 64, {tile.block_m}, {tile.block_n}, {tile.num_warps}, "
-        "0, 1, true, false>")
+        f"0, 1, true, {tile.mainloop}>")
     dq = simt.dq_variant(96, 2, 3)
     assert build.render_name(dq) == (
         f"cuflash::flash_bwd_dq_simt_kernel<96, {dq.config.block_m}, {dq.config.block_n}, 2, 3>")

@@ -197,7 +197,11 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # Session 9: with the producer publishing each stage before its next load issue (f2ca187),
                          # the deterministic D128 variant's producer spills 12 + 20 bytes (NVRTC 13.5; 24 registers).
                          # That is the tree timed at 1.02-1.13x the 8-warp mainloop (RESULTS.md, session 9 run 2).
-                         (90, 128, 0, 0, False): 32}
+                         (90, 128, 0, 0, False): 32,
+                         # Session 9: the mma.sync variant with dropout, bias and softcap at D128 on sm_90a spills
+                         # 8 + 12 bytes (NVRTC 13.5) since the dK/dV mainloops share probs_and_dscores (93dcc3e).
+                         # Not timed (the combination is not in any bench).
+                         (90, 128, 4, 3, True): 20}
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
 #: thread loading; wgmma behind a producer warpgroup (loads and the dQ adds; cuflash/dkdv_mainloop_sm90_ws.cuh).
