@@ -190,8 +190,8 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # The warp-specialized mainloop (branch ws-bwd, 2026-11-23): its producer warpgroup runs at
                          # 24 registers (setmaxnreg 24 / 240; at 32 / 232 ptxas serialized the consumers' wgmma) and
                          # spills the atomic path's dQ-add bookkeeping: nvcc 13.0 measured 44 / 44 / 124 (D128 none /
-                         # causal / general) and 84 / 84 / 156 (D64), +16 for NVRTC's allocation. The deterministic
-                         # variants spill nothing.
+                         # causal / general) and 84 / 84 / 156 (D64), +16 for NVRTC's allocation. (The plans give
+                         # these atomic variants to no call since session 9; tests and the sanitizer force them.)
                          (90, 128, 0, 0, True): 60, (90, 128, 1, 0, True): 60, (90, 128, 2, 0, True): 140,
                          (90, 64, 0, 0, True): 100, (90, 64, 1, 0, True): 100, (90, 64, 2, 0, True): 172,
                          # Session 9: with the producer publishing each stage before its next load issue (f2ca187),
