@@ -76,14 +76,17 @@ def test_heads_divide_the_group_and_mha_never_merges(h, hk, num_sms):
 @pytest.mark.parametrize("score_mod", kernels.SCORE_MODS)
 def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
     """sm_90a picks the warp-specialized mainloop exactly where ws_fits says; it runs a producer warpgroup on
-    top of 8 compute warps and never exceeds the block's shared memory."""
+    top of 8 compute warps (12 and 192 query rows for D64 without a general mask or score modifier) and never
+    exceeds the block's shared memory."""
     from cuflash.kernels import forward
 
     v = forward.variant("bfloat16", bucket, mask, 90, score_mod)
     ws = forward.ws_fits(bucket, mask, score_mod)
     assert (v.config.mainloop == forward.MAINLOOP_SM90_WS) == ws
     if ws:
-        assert v.threads == 384 and v.config.num_warps == 8 and v.config.block_m == 128
+        three = bucket == 64 and mask in (kernels.MASK_NONE, kernels.MASK_CAUSAL) and score_mod == kernels.MOD_NONE
+        warps = 12 if three else 8
+        assert v.threads == 32 * warps + 128 and v.config.num_warps == warps and v.config.block_m == 16 * warps
         assert v.smem_bytes <= forward.WS_SMEM_LIMIT
     # Never on an arch without wgmma.
     assert forward.variant("bfloat16", bucket, mask, 80, score_mod).config.mainloop == forward.MAINLOOP_SM80

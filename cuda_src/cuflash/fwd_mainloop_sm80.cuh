@@ -58,7 +58,9 @@ struct FwdConfig {
     static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
     static_assert(kStages >= 1, "at least one K and one V buffer");
-    static_assert((kBlockM & (kBlockM - 1)) == 0 && (kBlockN & (kBlockN - 1)) == 0, "power-of-two tiles");
+    // Powers of two, but 192 query rows (three warpgroups of the warp-specialized D64 tile) as well.
+    static_assert(((kBlockM & (kBlockM - 1)) == 0 || kBlockM == 192) && (kBlockN & (kBlockN - 1)) == 0,
+                  "power-of-two tiles (or 192 query rows)");
 };
 
 // The load side: Q once, then K / V of step j (key block blocks.block(j)) into slot j % kSlots. Each

@@ -65,13 +65,18 @@ struct FwdMainloopSm90Ws
     : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, Cfg::kStages, 128>> {
     static constexpr bool kWarpSpecialized = true;
     static constexpr int kProducerThreads = 128;
-    static constexpr int kConsumerThreads = Cfg::kThreads;  // two warpgroups of 16-row warps
+    static constexpr int kConsumerThreads = Cfg::kThreads;  // two or three warpgroups of 16-row warps
+    static constexpr int kConsumerWarpgroups = Cfg::kNWarps / 4;
     static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+    static constexpr int kTurnThreads = 256;  // a turn barrier: the warpgroup taking the turn and the one handing it over
     // Registers per thread after the hand-over: the launch gives every thread 168 (the __launch_bounds__ cap
     // of 384 threads, one block per SM), 64512 in all, which the hand-over splits: 128 x 56 + 256 x 224, or
     // at D256 (acc_o alone is 128 registers) 128 x 40 + 256 x 232. ptxas 13.0: the producer's tile loop spills
     // 16 bytes at 40 (D64), the D256 consumers 12 at 224; 24 / 240 spilled in the producer's copies.
-    static constexpr int kConsumerRegisters = Cfg::kHeadDim == 256 ? 232 : 224;
+    // With three consumer warpgroups (D64, 192 query rows: FlashAttention-3's tile) 512 threads share 128 each at
+    // entry; the hand-over gives 128 x 32 + 384 x 160.
+    static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 160 : Cfg::kHeadDim == 256 ? 232 : 224;
+    static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;  // the launch cap at one block per SM
     // D64 is bound by the exponentials (per warpgroup step 8192 of them, 512 clocks of MUFU.EX2, against 554
     // of wgmma at the tensor pipe's peak): every 8th n-tile's go to the FMA pipe (exp2_fma). H100, session 9,
     // three interleaved A/B rounds against all-MUFU: unmasked S1k / S4k / S16k 1.03x / 1.05x / 1.04x; causal
@@ -79,11 +84,12 @@ struct FwdMainloopSm90Ws
     // every 8th, so only the unmasked variant without a score modifier (the one measured) takes it.
     static constexpr int kFmaExpEvery =
         Cfg::kHeadDim == 64 && Cfg::kMask == kNoMask && is_same_v<typename Cfg::ScoreMod, IdentityScoreMod> ? 8 : 0;
-    static constexpr int kProducerRegisters = (168 * 384 - kConsumerRegisters * 256) / 128;
+    static constexpr int kProducerRegisters =
+        (kEntryRegisters * kThreads - kConsumerRegisters * kConsumerThreads) / kProducerThreads;
     static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
-    static constexpr int kSchedBarrier = 1;      // named barriers 1, 2: the consumers' turns
-    static constexpr int kWarpgroupBarrier = 3;  // named barriers 3, 4: one consumer warpgroup's threads
-    static constexpr int kProducerBarrier = 5;   // the producer warpgroup's threads
+    static constexpr int kSchedBarrier = 1;  // named barriers 1 .. G: the consumers' turns
+    static constexpr int kWarpgroupBarrier = kSchedBarrier + kConsumerWarpgroups;  // next G: one warpgroup's threads
+    static constexpr int kProducerBarrier = kWarpgroupBarrier + kConsumerWarpgroups;  // the producer warpgroup's
 
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
@@ -103,9 +109,9 @@ struct FwdMainloopSm90Ws
     static constexpr int kOffBarriers = Loads::kSmemBytes + (kSeparateO ? QTile::kBytes : 0);
     static constexpr int kSmemBytes = kOffBarriers + kBarrierBytes;
     static_assert(Loads::kSmemBytes % 16 == 0, "the O tile and the mbarriers need 16-byte alignment");
-    static_assert(Cfg::kNWarps == 8 && Cfg::kWarpRows == 16 && Cfg::kHeadDim % 64 == 0 && kBlockN % 64 == 0 &&
+    static_assert((Cfg::kNWarps == 8 || Cfg::kNWarps == 12) && Cfg::kWarpRows == 16 && Cfg::kHeadDim % 64 == 0 && kBlockN % 64 == 0 &&
                       kBlockN <= 256 && Cfg::kHeadDim <= 256,
-                  "two consumer warpgroups of 16-row warps, 64-column panels and N <= 256");
+                  "two or three consumer warpgroups of 16-row warps, 64-column panels and N <= 256");
     static_assert(kStages >= 2, "the ring needs two slots (see the deadlock argument above)");
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(sizeof(Cfg) == 0, "the warp-specialized mainloop compiles for sm_90a only");
@@ -205,12 +211,14 @@ struct FwdMainloopSm90Ws
 
     // -------------------------------------------------------------------------------------- consumers
     static __device__ __forceinline__ int warpgroup(int warp_row0) { return warp_row0 / 64; }
-    // Warpgroup 1 gives warpgroup 0 the first turn; warpgroup 0 absorbs warpgroup 1's last hand-over.
+    // Turns go round: warpgroup g hands over to g + 1, the last to 0. The last warpgroup gives warpgroup 0 the
+    // first turn; warpgroup 0 absorbs the last hand-over. Every warpgroup takes the same turns per tile (the
+    // tile's key blocks), so each turn barrier sees its 256 threads per phase.
     static __device__ __forceinline__ void start_turns(int warp_row0) {
-        if (warpgroup(warp_row0) == 1) sm90::named_barrier_arrive(kSchedBarrier, kConsumerThreads);
+        if (warpgroup(warp_row0) == kConsumerWarpgroups - 1) sm90::named_barrier_arrive(kSchedBarrier, kTurnThreads);
     }
     static __device__ __forceinline__ void end_turns(int warp_row0) {
-        if (warpgroup(warp_row0) == 0) sm90::named_barrier_sync(kSchedBarrier, kConsumerThreads);
+        if (warpgroup(warp_row0) == 0) sm90::named_barrier_sync(kSchedBarrier, kTurnThreads);
     }
 
     // Ring step r's S = Q.K^T (one wgmma batch) for the warpgroup's 64 Q rows.
@@ -224,7 +232,8 @@ struct FwdMainloopSm90Ws
     __device__ __forceinline__ void run(const AttnParams& params, const SeqInfo& seq, float (&acc_o)[kMTiles][kDTiles][4],
                                         OnlineSoftmax<kMTiles>& softmax, FwdWsRing& ring) const {
         const int wg = warpgroup(this->warp_row0);
-        const int my_turn = kSchedBarrier + wg, other_turn = kSchedBarrier + 1 - wg;
+        const int my_turn = kSchedBarrier + wg;
+        const int other_turn = kSchedBarrier + (kConsumerWarpgroups == 2 ? 1 - wg : (wg + 1) % kConsumerWarpgroups);
         const int n = this->blocks.count(), r0 = ring.steps;
         const float scale_log2 = softmax_scale_log2<typename Cfg::ScoreMod>(params);
         const bool never = params.seqlen_k < 0;  // validated >= 1 on the host; see keep_wait_after
@@ -245,9 +254,9 @@ struct FwdMainloopSm90Ws
         sm90::mbarrier_wait(k_full(r0), parity(r0));
         {
             float acc_s[kMTiles][kNTiles][4];
-            sm90::named_barrier_sync(my_turn, kConsumerThreads);
+            sm90::named_barrier_sync(my_turn, kTurnThreads);
             issue_s(acc_s, r0);
-            sm90::named_barrier_arrive(other_turn, kConsumerThreads);
+            sm90::named_barrier_arrive(other_turn, kTurnThreads);
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(0);
@@ -262,10 +271,10 @@ struct FwdMainloopSm90Ws
             sm90::mbarrier_wait(k_full(r), parity(r));
             sm90::mbarrier_wait(v_full(r - 1), parity(r - 1));
             float acc_s[kMTiles][kNTiles][4];
-            sm90::named_barrier_sync(my_turn, kConsumerThreads);
+            sm90::named_barrier_sync(my_turn, kTurnThreads);
             issue_s(acc_s, r);
             issue_pv(r - 1);
-            sm90::named_barrier_arrive(other_turn, kConsumerThreads);
+            sm90::named_barrier_arrive(other_turn, kTurnThreads);
             sm90::wait<1>();  // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(j);
@@ -276,9 +285,9 @@ struct FwdMainloopSm90Ws
         }
         const int r_last = r0 + n - 1;
         sm90::mbarrier_wait(v_full(r_last), parity(r_last));
-        sm90::named_barrier_sync(my_turn, kConsumerThreads);
+        sm90::named_barrier_sync(my_turn, kTurnThreads);
         issue_pv(r_last);
-        sm90::named_barrier_arrive(other_turn, kConsumerThreads);
+        sm90::named_barrier_arrive(other_turn, kTurnThreads);
         sm90::wait<0>();
         sm90::fence_operand(acc_o[0]);
         sm90::mbarrier_arrive(v_empty(r_last));

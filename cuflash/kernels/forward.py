@@ -91,7 +91,10 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
                          # The dropout kinds (4, 5; session 5, ptxas of NVRTC 13.5): Philox's temporaries on top
                          # of the general mask's registers. Not yet measured against spill-free tiles.
                          (90, 128, 4, 1): 100, (90, 128, 5, 0): 156, (90, 128, 5, 1): 172, (90, 128, 5, 3): 40,
-                         (90, 64, 4, 1): 16, (90, 64, 5, 3): 20, (80, 128, 5, 1): 60, (80, 64, 4, 1): 100}
+                         (90, 64, 4, 1): 16, (90, 64, 5, 3): 20, (80, 128, 5, 1): 60, (80, 64, 4, 1): 100,
+                         # Branch fwd-d64-3wg: the unmasked D64 tile of three consumer warpgroups (160 registers)
+                         # spills 20 + 28 bytes (NVRTC 13.5) per tile, outside the key loop. Not timed yet.
+                         (90, 64, 0, 0): 48}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
@@ -245,13 +248,20 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
     raise ValueError(f"no wgmma tile for head-dim bucket {head_dim_bucket}; the mma.sync path serves it")
 
 
-def tile_sm90_ws(head_dim_bucket: int, bias: bool = False) -> tuple:
-    """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the two
-    consumer warpgroups (8 warps x 16 rows, kBlockM = 128); the producer warpgroup comes on top (384
-    threads, one CTA per SM). The consumers hold 224 registers each after the hand-over (232 at D256; setmaxnreg),
+def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE, score_mod: int = MOD_NONE) -> tuple:
+    """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the consumer
+    warpgroups (8 warps x 16 rows, kBlockM = 128; at D64 12 warps, 192 rows); the producer warpgroup comes on
+    top (384 or 512 threads, one CTA per SM). The consumers hold 224 registers each after the hand-over (232 at D256; setmaxnreg),
     more than the 8-warp wgmma mainloop's CTA-wide budget needs at these tiles; the ring takes what shared
     memory is left, up to 227 KB per block.
     """
+    if head_dim_bucket == 64 and mask in (MASK_NONE, MASK_CAUSAL) and score_mod == MOD_NONE:
+        # Three consumer warpgroups (192 query rows, FlashAttention-3's D64 tile; 160 registers each after the
+        # hand-over): D64 is as exp-bound as it is GEMM-bound, and a third warpgroup's softmax can run under the
+        # other two's GEMMs. acc 32 + S 64 + P 32: 128 keys. Q 24 KB + 3 x (K + V) 96 KB + O 24 KB = 144 KB.
+        # nvcc 13.0: no spill in the key loop (the unmasked one spills 24 + 32 bytes per tile, outside it); the
+        # general mask and the score modifiers spilled 120-676 bytes at 160 registers and keep two.
+        return 192, 128, 12, 3
     if head_dim_bucket == 64:
         # acc 32 + S 64 + P 32: 128 keys. Q 16 KB + 3 x (K + V) 96 KB = 112 KB.
         return 128, 128, 8, 3
@@ -309,7 +319,7 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     if mainloop != MAINLOOP_SM80 and not arch_caps(arch).has_wgmma:
         raise ValueError(f"the wgmma mainloops need sm_90a; got {arch=}")
     if mainloop == MAINLOOP_SM90_WS:
-        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias)
+        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias, int(mask), score_mod)
     elif mainloop == MAINLOOP_SM90:
         block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, bias)
     else:
