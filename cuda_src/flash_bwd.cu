@@ -106,6 +106,11 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
             for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
+    // The ordered dQ adds' counters of this (batch, head), when the plan asks for them (dq_order.cuh).
+    if (dq_order::enabled(params) && blockIdx.x == 0) {
+        int* counters = dq_order::counters(params, blockIdx.z, blockIdx.y);
+        for (int i = threadIdx.x; i < params.dq_order_blocks; i += kThreads) counters[i] = 0;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -126,7 +131,9 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
     Mainloop::check_smem(smem);
 
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
-    const int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
+    int n_block = blockIdx.x;
+    if constexpr (Mainloop::kWarpSpecialized) n_block = Mainloop::key_block(params, n_block);
+    const int group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
     const SeqInfo seq(params, b, group * heads, LayoutOf<kMask>());
     if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence (the grid covers the longest)

@@ -132,6 +132,11 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=1000, Sk=1000, H=8, Hkv=2, D=128, causal=True, deterministic=True),
     Problem("fp16", B=1, Sq=129, Sk=1000, H=8, Hkv=1, D=64, deterministic=True),
     Problem("fp32", B=1, Sq=257, Sk=257, H=8, Hkv=2, D=64, causal=True, deterministic=True),
+    # The ordered dQ adds on sm_90a (cuflash/dq_order.cuh): more dK/dV CTAs than SMs (4 x 16 x 17 key blocks),
+    # causal with Sq != Sk both ways, a sequence that ends inside a query block, MQA.
+    Problem("bf16", B=4, Sq=2100, Sk=2100, H=16, Hkv=4, D=128, deterministic=True),
+    Problem("bf16", B=2, Sq=700, Sk=1500, H=6, Hkv=2, D=64, causal=True, deterministic=True),
+    Problem("fp16", B=2, Sq=1500, Sk=700, H=4, Hkv=1, D=128, causal=True, deterministic=True),
 )
 RUNS = 10
 

@@ -120,4 +120,38 @@ def test_dq_accum_slack_covers_every_dkdv_query_block(arch):
     plan = backward.plan_backward(shape, arch, deterministic=False)
     scratch = dict(plan.scratch)
     assert scratch["dq_accum"] == (2 * 8 * 100 + backward.DQ_ACCUM_BLOCK_ROWS, 128)
-    assert "dq_accum" not in dict(backward.plan_backward(shape, arch, deterministic=True).scratch)
+    if not backward.ordered_dq_fits(arch, 128, shape.mask_kind, 0):  # else its ordered adds use dq_accum too
+        assert "dq_accum" not in dict(backward.plan_backward(shape, arch, deterministic=True).scratch)
+
+
+@pytest.mark.parametrize("bucket", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+def test_deterministic_backward_orders_the_dq_adds_on_sm90(bucket, causal):
+    """sm_90a, no mask or causal, D64 / D128: the deterministic backward runs the warp-specialized dK/dV kernel
+    with its dQ step (ordered adds) and the convert kernel, no dQ kernel; the counters follow dq_accum's rows
+    and slack in the same buffer, one per (batch, head, query block), and fit it."""
+    shape = ProblemShape(3, 1000, 777, 8, 2, bucket, bucket, "bfloat16", causal)
+    plan = kernels.plan_backward(shape, 90, True)
+    names = [launch.variant.name for launch in plan.launches]
+    assert "cuflash::flash_bwd_dq_kernel" not in names and "cuflash::flash_bwd_convert_dq_kernel" in names
+    dkdv = next(launch.variant for launch in plan.launches if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
+    assert dkdv.config.atomic_dq and dkdv.config.mainloop == backward.MAINLOOP_SM90_WS
+    fields = dict(plan.fields)
+    rows, width = backward.dq_accum_shape(shape, bucket)
+    blocks = -(-shape.seqlen_q // dkdv.config.block_m)
+    assert fields["dq_order_offset"] == rows * width and fields["dq_order_blocks"] == blocks
+    total_rows, total_width = dict(plan.scratch)["dq_accum"]
+    assert total_width == width and (total_rows - rows) * width >= shape.batch * shape.num_heads * blocks
+    # The atomic backward keeps its unordered adds (no counters).
+    assert "dq_order_offset" not in dict(kernels.plan_backward(shape, 90, False).fields)
+
+
+@pytest.mark.parametrize("arch, bucket, general, packed", [(80, 128, False, False), (90, 256, False, False),
+                                                           (90, 128, True, False), (90, 64, False, True)])
+def test_deterministic_backward_keeps_the_dq_kernel_elsewhere(arch, bucket, general, packed):
+    """sm_80, D256, the general mask kinds and packed sequences: the dQ kernel of its own, no counters."""
+    shape = ProblemShape(2, 300, 300, 4, 4, bucket, bucket, "bfloat16", True, general_mask=general, packed=packed,
+                         total_q=600, total_k=600)
+    plan = kernels.plan_backward(shape, arch, True)
+    assert "cuflash::flash_bwd_dq_kernel" in [launch.variant.name for launch in plan.launches]
+    assert "dq_order_offset" not in dict(plan.fields)

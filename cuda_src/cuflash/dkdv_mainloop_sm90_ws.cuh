@@ -24,6 +24,7 @@
 #include "cuflash/bulk_sm90.cuh"
 #include "cuflash/dkdv_mainloop.cuh"
 #include "cuflash/dkdv_mainloop_sm90.cuh"
+#include "cuflash/dq_order.cuh"
 #include "cuflash/pipeline_sm90.cuh"
 
 namespace cuflash {
@@ -102,25 +103,53 @@ struct DkdvMainloopSm90Ws {
     }
 
     // The step order both roles walk: block i of head h, from block `first`, wrapping around to the next
-    // head (DkdvMainloop::run's order).
+    // head (DkdvMainloop::run's order). With ordered dQ adds (dq_order.cuh) every CTA walks the blocks of a
+    // head in one order, from the last one down without a mask and from its diagonal up under causal;
+    // otherwise the atomic adds start at a block of their own (n_block modulo the count), spread over the
+    // query blocks.
     struct Cursor {
         int i, h, first, num_m_blocks;
+        bool descending;
         __device__ __forceinline__ void advance() {
             i = i + 1 == num_m_blocks ? 0 : i + 1;
             if (i == first) ++h;
         }
+        __device__ __forceinline__ int index() const { return descending ? num_m_blocks - 1 - i : i; }
     };
-    static __device__ __forceinline__ Cursor start(int n_block, int h0, int num_m_blocks) {
-        const int first = Cfg::kAtomicDq && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
-        return Cursor{first, h0, first, num_m_blocks};
+    static __device__ __forceinline__ Cursor start(int n_block, int h0, int num_m_blocks, bool ordered) {
+        const int first = Cfg::kAtomicDq && !ordered && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
+        return Cursor{first, h0, first, num_m_blocks, ordered && !kCausalOrder};
+    }
+    static __device__ __forceinline__ bool ordered_dq(const AttnParams& params) {
+        return Cfg::kAtomicDq && !kPacked && dq_order::enabled(params);
+    }
+    // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
+    // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
+    // last-first, so a CTA only ever waits for a CTA dispatched before it, one step ahead of it.
+    static constexpr bool kCausalOrder = Cfg::kMask == kCausalMask;
+    static __device__ __forceinline__ int key_block(const AttnParams& params, int bx) {
+        return kCausalOrder && ordered_dq(params) ? int(gridDim.x) - 1 - bx : bx;
+    }
+    // The turn of key block n_block at query block m_block: without a mask the key blocks add in increasing
+    // order; under causal from the block's last visible key block down.
+    static __device__ __forceinline__ int add_rank(const AttnParams& params, int b, int head, int m_block, int n_block) {
+        if constexpr (kCausalOrder) {
+            const typename Cfg::Mask mask(params, SeqInfo(params, b, head, LayoutOf<Cfg::kMask>()));
+            int n_begin, n_end;
+            mask.template key_block_range<Cfg::kBlockM, Cfg::kBlockN>(m_block, n_begin, n_end);
+            return n_end - 1 - n_block;
+        } else {
+            return n_block;
+        }
     }
 
     // -------------------------------------------------------------------------------------- producer
     // Iteration k publishes step k - 1's stage (issued one iteration earlier, while the consumers ran step
-    // k - 2), adds step k - 2's dQ, then waits for the consumers to free stage k % 2 (step k - 2 done) and
-    // issues step k's loads. Nothing the consumers wait for at a step's start sits behind the load issue or a
-    // dQ add: a stage is published as soon as its bytes landed, and the add of step k - 2 (whose tile the
-    // consumers reuse only at step k's dQ) releases its tile one iteration later, when its read is done.
+    // k - 2), waits for the consumers to free stage k % 2 (step k - 2 done), issues step k's loads, then adds
+    // step k - 2's dQ. Nothing the consumers wait for at a step's start sits behind the load issue or a dQ
+    // add: a stage is published as soon as its bytes landed, and the add of step k - 2 (whose tile the
+    // consumers reuse only at step k's dQ) releases its tile one iteration later, when its read is done (an
+    // ordered add: once complete).
     static __device__ __forceinline__ void produce(const AttnParams& params, int b, int h0, int heads, int n_block,
                                                    const typename Cfg::Blocks& blocks, unsigned smem) {
         const int tid = threadIdx.x;
@@ -128,7 +157,8 @@ struct DkdvMainloopSm90Ws {
         const int num_steps = heads * num_m_blocks;
         const int key0 = n_block * Cfg::kBlockN;
         if (num_steps == 0) return;
-        Cursor c = start(n_block, h0, num_m_blocks);
+        const bool ordered = ordered_dq(params);
+        Cursor c = start(n_block, h0, num_m_blocks, ordered);
         {
             const SeqInfo seq(params, b, h0, LayoutOf<Cfg::kMask>());
             Loads::load_kv(params, seq, smem, key0, tid);
@@ -142,18 +172,19 @@ struct DkdvMainloopSm90Ws {
             sm80::cp_async_wait<0>();
             sm90::fence_proxy_async();
             sm90::mbarrier_arrive(step == 0 ? kv_full(smem) : q_full(smem, (step - 1) % kStages));
-            if constexpr (Cfg::kAtomicDq) {
-                if (step >= 2) add_dq(params, b, blocks.block(i2), h2, smem, step - 2);
-            }
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
             // Opaque (b, h, tid): the addresses are rebuilt from the constant bank on each call instead of
             // held across the loop in the producer's few registers.
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
-                                blocks.block(c.i), s, opaque(tid), key0);
+                                blocks.block(c.index()), s, opaque(tid), key0);
             sm80::cp_async_commit();
+            // The add after the load issue: an ordered add's wait for its turn overlaps the loads in flight.
+            if constexpr (Cfg::kAtomicDq) {
+                if (step >= 2) add_dq(params, b, blocks.block(i2), h2, smem, step - 2, n_block, ordered);
+            }
             i2 = i1;
             h2 = h1;
-            i1 = c.i;
+            i1 = c.index();
             h1 = c.h;
             c.advance();
         }
@@ -161,8 +192,8 @@ struct DkdvMainloopSm90Ws {
         sm90::fence_proxy_async();
         sm90::mbarrier_arrive(q_full(smem, (num_steps - 1) % kStages));
         if constexpr (Cfg::kAtomicDq) {
-            if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2);
-            add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1);
+            if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2, n_block, ordered);
+            add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1, n_block, ordered);
             if (tid == 0) sm90::bulk_wait<0>();  // the adds are complete before the CTA (and its tiles) go
         }
     }
@@ -170,12 +201,27 @@ struct DkdvMainloopSm90Ws {
     // Step `step`'s staged dQ (dS . K of query block m_block of head `head`, unscaled) added into dq_accum by
     // one thread: kBlockM whole rows, contiguous there. Rows past the sequence carry +-0 (WgmmaDqStep::add).
     // Then the tile of step - 1, whose add was issued one call earlier, goes back to the consumers once read.
+    // Ordered (dq_order.cuh): the add waits for key block n_block's turn at this query block, completes, passes
+    // the turn on, and gives its own tile back.
     static __device__ __forceinline__ void add_dq(const AttnParams& params, int b, int m_block, int head, unsigned smem,
-                                                  int step) {
+                                                  int step, int n_block, bool ordered) {
         if (threadIdx.x != 0) return;
         sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
         float* rows =
             SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
+        if (ordered) {
+            int* counter = dq_order::counters(params, b, head) + m_block;
+            dq_order::wait_turn(counter, add_rank(params, b, head, m_block, n_block));
+            // Only the sequence's rows (the batched layout's seqlen_q): the +-0 of the rows past it would land
+            // in the next head's first rows unordered, and could flip the sign of a zero there.
+            const int rows_in = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM);
+            sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
+            sm90::bulk_commit();
+            sm90::bulk_wait<0>();
+            dq_order::pass_turn(counter);
+            sm90::mbarrier_arrive(dq_empty(smem, step & 1));
+            return;
+        }
         sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), kDqTileBytes);
         sm90::bulk_commit();
         if (step >= 1) {
@@ -194,12 +240,12 @@ struct DkdvMainloopSm90Ws {
         const int num_steps = heads * num_m_blocks;
         const int key0 = n_block * Cfg::kBlockN;
         const int seqlen_q = mask.seqlen_q;
-        Cursor c = start(n_block, h0, num_m_blocks);
+        Cursor c = start(n_block, h0, num_m_blocks, ordered_dq(params));
         if (num_steps > 0) sm90::mbarrier_wait(kv_full(smem), 0);
         for (int step = 0; step < num_steps; ++step) {
             const int s = step % kStages;
-            const int query0 = blocks.block(c.i) * Cfg::kBlockM;
-            const bool masked = blocks.masked(c.i);
+            const int query0 = blocks.block(c.index()) * Cfg::kBlockM;
+            const bool masked = blocks.masked(c.index());
             const int step_head = c.h;
             c.advance();
             const unsigned s_q = smem + Cfg::kOffQ + s * TileQ::kBytes;

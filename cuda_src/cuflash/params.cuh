@@ -130,6 +130,11 @@ struct AttnParams {
     unsigned dropout_threshold;
     float dropout_rp;
     long long dropout_seed;
+    // The deterministic backward's ordered dQ adds (cuflash/dq_order.cuh): the counters' offset in floats from
+    // dq_accum (0: unordered) and counters per (batch, query head).
+    long long dq_order_offset;
+    int dq_order_blocks;
+    int dq_order_unused;  // keeps the struct a multiple of 8 bytes
 };
 
 #ifdef CUFLASH_PARAMS_BYTES

@@ -190,10 +190,9 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # The warp-specialized mainloop (branch ws-bwd, 2026-11-23): its producer warpgroup runs at
                          # 24 registers (setmaxnreg 24 / 240; at 32 / 232 ptxas serialized the consumers' wgmma) and
                          # spills the atomic path's dQ-add bookkeeping: nvcc 13.0 measured 44 / 44 / 124 (D128 none /
-                         # causal / general) and 84 / 84 / 156 (D64), +16 for NVRTC's allocation. (The plans give
-                         # these atomic variants to no call since session 9; tests and the sanitizer force them.)
-                         (90, 128, 0, 0, True): 60, (90, 128, 1, 0, True): 60, (90, 128, 2, 0, True): 140,
-                         (90, 64, 0, 0, True): 100, (90, 64, 1, 0, True): 100, (90, 64, 2, 0, True): 172,
+                         # causal / general) and 84 / 84 / 156 (D64), +16 for NVRTC's allocation. The none / causal
+                         # ones now carry the ordered dQ adds (their entries below).
+                         (90, 128, 2, 0, True): 140, (90, 64, 2, 0, True): 172,
                          # Session 9: with the producer publishing each stage before its next load issue (f2ca187),
                          # the deterministic D128 variant's producer spills 12 + 20 bytes (NVRTC 13.5; 24 registers).
                          # That is the tree timed at 1.02-1.13x the 8-warp mainloop (RESULTS.md, session 9 run 2).
@@ -201,7 +200,14 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # Session 9: the mma.sync variant with dropout, bias and softcap at D128 on sm_90a spills
                          # 8 + 12 bytes (NVRTC 13.5) since the dK/dV mainloops share probs_and_dscores (93dcc3e).
                          # Not timed (the combination is not in any bench).
-                         (90, 128, 4, 3, True): 20}
+                         (90, 128, 4, 3, True): 20,
+                         # Session 10: the ordered dQ adds of the deterministic backward (a counter wait, a bulk add
+                         # sized to the sequence, a release; causal ranks from the mask) in the producer at 24
+                         # registers, issued after the step's loads, NVRTC 13.5: D128 none / causal 128 / 80, D64
+                         # 188 / 112 bytes (session 8's plain atomic path: 60 / 100). The tree timed at 1.07-1.36x
+                         # the dQ-kernel deterministic backward (RESULTS.md, session 10 run 3).
+                         (90, 128, 0, 0, True): 128, (90, 128, 1, 0, True): 80,
+                         (90, 64, 0, 0, True): 188, (90, 64, 1, 0, True): 112}
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
 #: thread loading; wgmma behind a producer warpgroup (loads and the dQ adds; cuflash/dkdv_mainloop_sm90_ws.cuh).
@@ -441,6 +447,20 @@ def dq_accum_shape(shape: ProblemShape, bucket: int) -> tuple:
     return (math.prod(shape.q_scratch(shape.num_heads)) + DQ_ACCUM_BLOCK_ROWS, bucket)
 
 
+def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
+    """Whether the deterministic backward runs the warp-specialized dK/dV kernel with its dQ step, the adds
+    into each query block taken in key-block order (cuda_src/cuflash/dq_order.cuh), instead of a dQ kernel of
+    its own: sm_90a, the warp-specialized tiles, and the masks whose key blocks adding into a query block are
+    always 0 .. n (none, causal; the general kinds, packed sequences among them, keep the dQ kernel)."""
+    return (dkdv_mainloop(arch, bucket, mask, score_mod, False) == MAINLOOP_SM90_WS
+            and mask in (MASK_NONE, MASK_CAUSAL))
+
+
+def dq_order_counters(shape: ProblemShape, block_m: int) -> int:
+    """The ordered adds' counters per (batch, query head): one per query block of the dK/dV tile."""
+    return _ceil_div(shape.seqlen_q, block_m)
+
+
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = 132) -> Plan:
     if shape.dtype not in DTYPES:
         raise ValueError(f"dtype={shape.dtype!r}: the tensor-core backward takes float16 or bfloat16")
@@ -464,13 +484,24 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         scratch.append(lists)
         fields.extend(list_fields)
 
-    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
+    ordered = deterministic and not shape.packed and ordered_dq_fits(arch, bucket, mask, mod)
+    if ordered:
+        dkdv = dkdv_variant(arch, dtype, bucket, mask, True, mod, mainloop=MAINLOOP_SM90_WS)
+    else:
+        dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
     if general:  # the query blocks of each key block
         add_lists(dkdv, True)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
     heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
-    if deterministic:
+    if ordered:
+        # dq_accum's rows and slack, then the counters (int32 in float32 slots, rounded up to whole rows).
+        rows, width = dq_accum_shape(shape, bucket)
+        blocks_per_head = dq_order_counters(shape, dkdv.config.block_m)
+        launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        scratch.append(("dq_accum", (rows + _ceil_div(b * h * blocks_per_head, width), width)))
+        fields += [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head)]
+    elif deterministic:
         dq = dq_variant(arch, dtype, bucket, mask, mod)
         if general:  # the key blocks of each query block
             add_lists(dq, False)
@@ -501,6 +532,9 @@ def all_variants(arch: int) -> list:
                 for mod in SCORE_MODS:
                     try:
                         dkdv = [dkdv_variant(arch, dtype, bucket, mask, atomic, mod) for atomic in (True, False)]
+                        if ordered_dq_fits(arch, bucket, mask, mod):  # the deterministic backward's dK/dV kernel
+                            dkdv.append(dkdv_variant(arch, dtype, bucket, mask, True, mod,
+                                                     mainloop=MAINLOOP_SM90_WS))
                     except ValueError:
                         if not has_bias(mod):
                             raise
