@@ -34,7 +34,7 @@ def record(block: bytes):
 def test_split_heuristic_fills_the_gpu_only_when_the_batch_cannot():
     assert plans.num_splits_heuristic(ctas=512, key_blocks=64, slots=132) == 1  # B64 x Hkv8: full waves
     splits = plans.num_splits_heuristic(ctas=8, key_blocks=1024, slots=132)  # B1 x Hkv8 at 128k keys
-    assert 8 <= splits <= 33 and 8 * splits <= 2 * 132
+    assert splits == 16  # one CTA per SM: 128 of 132 (H100, session 10: 2735 GB/s against 2534 at 33 splits)
     assert plans.num_splits_heuristic(ctas=8, key_blocks=1, slots=132) == 1  # nothing to split
     assert plans.num_splits_heuristic(ctas=2, key_blocks=5, slots=132) <= 5
 

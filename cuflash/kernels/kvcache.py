@@ -117,25 +117,21 @@ def combine_variant(dtype: str) -> KernelVariant:
     return KernelVariant(COMBINE_SOURCE, COMBINE_NAME, CombineConfig(dtype), COMBINE_WARPS * 32, 0)
 
 
-def ctas_per_sm(v: KernelVariant, arch: int) -> int:
-    """How many of the attention kernel's CTAs share an SM (shared memory bound; 4 warps never hit the
-    register or thread limits first at these tiles)."""
-    caps = arch_caps(arch)
-    return max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
-
 
 def num_splits_heuristic(ctas: int, key_blocks: int, slots: int) -> int:
-    """Splits of the key blocks so that ``ctas`` CTAs (B x Hkv x m_blocks) fill ``slots`` CTA slots of the GPU.
+    """Splits of the key blocks so that ``ctas`` CTAs (B x Hkv x m_blocks) fill ``slots`` (the SMs) in one
+    wave, one CTA per SM.
 
-    1 when the CTAs already fill 80% of a wave. Otherwise, for each split count with a different number of
-    key blocks per split, the wave efficiency ``w / ceil(w)`` with ``w = ctas * splits / slots``; the best
-    wins, the smallest count among equals. (Decoding is bound by bytes in flight, so a wave 88% full reads
-    the cache 12% slower; measured, session 6 run 2: B1 H32 / 8 L128k at 29 splits on 264 slots, 2426 GB/s.
-    The partials and the combine cost little against the cache.)
+    1 when the CTAs already fill 80% of the SMs. Otherwise, for each split count up to one wave with a
+    different number of key blocks per split, the wave efficiency ``w = ctas * splits / slots``; the best
+    wins, the smallest count among equals. Measured on an H100 (session 10, run 9), B1 H32 / 8 L128k, GB/s by
+    splits: 8: 1493, 16: 2735, 24: 2345, 33: 2534 (two CTAs per SM, the old heuristic's pick), 48: 2116, 66:
+    2222, 128: 1901; cuDNN 2951. Fewer, longer CTAs stream the cache faster than two per SM, and a partial
+    second wave costs most. The partials and the combine cost little against the cache.
     """
     if ctas >= 0.8 * slots or key_blocks <= 1:
         return 1
-    limit = min(MAX_SPLITS, key_blocks, max(1, 2 * slots // max(ctas, 1)))
+    limit = min(MAX_SPLITS, key_blocks, max(1, slots // max(ctas, 1)))
     candidates = []
     for splits in range(1, limit + 1):
         if splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
@@ -166,7 +162,7 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
     m_blocks = -(-(seqlen_q * group) // BLOCK_M)
     key_blocks = max(1, -(-longest_keys // v.config.block_n))
     if num_splits is None:
-        num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, num_sms * ctas_per_sm(v, arch))
+        num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, key_blocks))
     launches = []
     if append:
