@@ -188,7 +188,7 @@ class KvCall:
         # Plans use the capacity, never the lengths (which the host may not have): kvcache_workspace answers from
         # shapes alone, and a call planned from lengths could want a different split.
         self.capacity, self.append, self.num_splits, self.fields = capacity, seqlen_new > 0, num_splits, fields
-        self.device = device
+        self.device, self.paged = device, paged
 
     def window_fields(self) -> dict:
         """The window (causal folded in) and the score options' fields; the kernel always reads the window."""
@@ -322,10 +322,10 @@ def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
 
 
 def _plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int, head_dim: int, head_dim_v: int,
-          score_mod: int, capacity: int, append: bool, num_splits, device: int) -> plans.KvPlan:
+          score_mod: int, capacity: int, append: bool, num_splits, device: int, paged: bool) -> plans.KvPlan:
     bucket = head_dim_bucket(max(head_dim, head_dim_v))
     plan = plans.plan(dtype, batch, seqlen_q, num_heads, num_heads_k, bucket, head_dim_v, score_mod, capacity, append,
-                      num_splits, int(launch.compute_capability(device)), launch.multiprocessor_count(device))
+                      num_splits, int(launch.compute_capability(device)), launch.multiprocessor_count(device), paged)
     if seqlen_q == 0:  # nothing to attend from: only the append runs
         plan = plans.KvPlan(plan.launches[:1] if append else (), 1, None, None)
     return plan
@@ -337,7 +337,7 @@ def _launch(call: KvCall, scale: float, out_d: TensorDesc, lse_d: TensorDesc, wo
 
     shape, device = call.shape, call.device
     plan = _plan(shape.dtype, shape.batch, shape.seqlen_q, shape.num_heads, shape.num_heads_k, shape.head_dim,
-                 shape.head_dim_v, shape.score_mod, call.capacity, call.append, call.num_splits, device)
+                 shape.head_dim_v, shape.score_mod, call.capacity, call.append, call.num_splits, device, call.paged)
     fields = dict(call.fields, num_splits=plan.num_splits, **call.window_fields())
     pointers, owners = _scratch(plan, workspace, device, "cuflash.kvcache_workspace")
     fields.update(pointers)
@@ -371,7 +371,7 @@ def kvcache_workspace(q, k_cache, v_cache, *, block_table=None, num_splits=None,
     them as ``workspace=``. Needs ``.shape`` / ``.dtype`` only; the current device's SM count enters the
     split heuristic."""
     meta = _meta(q, k_cache, v_cache, block_table, options)
-    plan = _plan(*meta[:8], meta[8], False, num_splits, launch.current_device())
+    plan = _plan(*meta[:8], meta[8], False, num_splits, launch.current_device(), block_table is not None)
     return {} if plan.o_accum is None else {"o_accum": plan.o_accum, "lse_accum": plan.lse_accum}
 
 
@@ -382,7 +382,7 @@ def prepare_kvcache(q, k_cache, v_cache, *, block_table=None, k_new=None, num_sp
 
     meta = _meta(q, k_cache, v_cache, block_table, options)
     device = launch.current_device()
-    plan = _plan(*meta[:8], meta[8], k_new is not None, num_splits, device)
+    plan = _plan(*meta[:8], meta[8], k_new is not None, num_splits, device, block_table is not None)
     cc = launch.compute_capability(device)
     for item in plan.launches:
         build.get_kernel(item.variant, device, cc)

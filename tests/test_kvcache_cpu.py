@@ -39,6 +39,14 @@ def test_split_heuristic_fills_the_gpu_only_when_the_batch_cannot():
     assert plans.num_splits_heuristic(ctas=2, key_blocks=5, slots=132) <= 5
 
 
+def test_a_paged_cache_splits_for_two_ctas_per_sm():
+    """B1 H32 / 8 at 128k keys on 132 SMs: a dense cache splits for one CTA per SM, a paged one for two (the
+    page lookups want the second CTA's loads in flight)."""
+    dense = plans.plan("bfloat16", 1, 1, 32, 8, 128, 128, 0, 131072, False, None, 90, 132)
+    paged = plans.plan("bfloat16", 1, 1, 32, 8, 128, 128, 0, 131072, False, None, 90, 132, paged=True)
+    assert (dense.num_splits, paged.num_splits) == (16, 33)
+
+
 @pytest.mark.parametrize("arch", [80, 86, 90])
 def test_every_tile_fits_its_arch(arch):
     from cuflash.arch import arch_caps
@@ -180,7 +188,8 @@ def test_a_repeated_call_patches_pointers_into_the_same_block(gpu):
                 assert b[name] != 0, name
             else:
                 assert a[name] == b[name], name
-    o_bytes = 4 * int(np.prod(plans.plan("bfloat16", B, 1, H, Hkv, 128, D, 1, 64 * 1024, True, None, 90, 132).o_accum))
+    o_bytes = 4 * int(np.prod(plans.plan("bfloat16", B, 1, H, Hkv, 128, D, 1, 64 * 1024, True, None, 90, 132,
+                                         paged=True).o_accum))
     assert second[1]["lse_accum"] - second[1]["o_accum"] == -(-o_bytes // 256) * 256  # one allocation, carved
 
 

@@ -118,16 +118,25 @@ def combine_variant(dtype: str) -> KernelVariant:
 
 
 
+def ctas_per_sm(v: KernelVariant, arch: int) -> int:
+    """How many of the attention kernel's CTAs share an SM (shared memory bound; 4 warps never hit the
+    register or thread limits first at these tiles)."""
+    caps = arch_caps(arch)
+    return max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
+
+
 def num_splits_heuristic(ctas: int, key_blocks: int, slots: int) -> int:
-    """Splits of the key blocks so that ``ctas`` CTAs (B x Hkv x m_blocks) fill ``slots`` (the SMs) in one
-    wave, one CTA per SM.
+    """Splits of the key blocks so that ``ctas`` CTAs (B x Hkv x m_blocks) fill ``slots`` CTA slots in one
+    wave: the SMs for a dense cache (one CTA per SM), the SMs times the CTAs an SM holds for a paged one.
 
     1 when the CTAs already fill 80% of the SMs. Otherwise, for each split count up to one wave with a
     different number of key blocks per split, the wave efficiency ``w = ctas * splits / slots``; the best
     wins, the smallest count among equals. Measured on an H100 (session 10, run 9), B1 H32 / 8 L128k, GB/s by
     splits: 8: 1493, 16: 2735, 24: 2345, 33: 2534 (two CTAs per SM, the old heuristic's pick), 48: 2116, 66:
-    2222, 128: 1901; cuDNN 2951. Fewer, longer CTAs stream the cache faster than two per SM, and a partial
-    second wave costs most. The partials and the combine cost little against the cache.
+    2222, 128: 1901; cuDNN 2951. Fewer, longer CTAs stream a dense cache faster than two per SM, and a partial
+    second wave costs most. A paged cache wants the second CTA per SM (the page lookups' latency): run 10, 16-row
+    pages at 16 splits 1946 against 2451 at 33 (session 6), 256-row pages 2434 against 2401. The partials and
+    the combine cost little against the cache.
     """
     if ctas >= 0.8 * slots or key_blocks <= 1:
         return 1
@@ -155,14 +164,15 @@ class KvPlan:
 
 def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int, head_dim_bucket: int,
          head_dim_v: int, score_mod: int, longest_keys: int, append: bool, num_splits: int | None, arch: int,
-         num_sms: int) -> KvPlan:
+         num_sms: int, paged: bool = False) -> KvPlan:
     """``longest_keys``: the most keys any batch can attend to (the cache's capacity, or the known lengths)."""
     v = variant(dtype, head_dim_bucket, score_mod, arch)
     group = num_heads // num_heads_k
     m_blocks = -(-(seqlen_q * group) // BLOCK_M)
     key_blocks = max(1, -(-longest_keys // v.config.block_n))
     if num_splits is None:
-        num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, num_sms)
+        slots = num_sms * (ctas_per_sm(v, arch) if paged else 1)
+        num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, slots)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, key_blocks))
     launches = []
     if append:
