@@ -342,17 +342,15 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
 
 
 def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: bool) -> int:
-    """The dK/dV mainloop a variant runs by default: the warp-specialized one where it fits, except the
-    general masks' atomic variants (not timed on it). H100: without a dQ step 1.02-1.13x the 8-warp wgmma
-    mainloop (session 9); with the atomic dQ step 0.96-1.01x as first built (session 9), then 1.06-1.16x once
-    its producer issued a step's loads before the step's dQ add (session 10, run 9; ncu of the 8-warp one,
-    run 8: 2 warps per scheduler, one issue every 3.7 cycles, L2 at 74% of its throughput under the warps'
-    fp32 atomics)."""
+    """The dK/dV mainloop a variant runs by default: the warp-specialized one where it fits (ws_fits). H100:
+    without a dQ step 1.02-1.13x the 8-warp wgmma mainloop (session 9); with the atomic dQ step 0.96-1.01x as
+    first built (session 9), then 1.06-1.16x once its producer issued a step's loads before the step's dQ add
+    (session 10, run 9; ncu of the 8-warp one, run 8: 2 warps per scheduler, one issue every 3.7 cycles, L2 at
+    74% of its throughput under the warps' fp32 atomics). Under the general mask (run 14, B4 S4k H16 D128):
+    window 1024 + causal 1.07x, block-causal 512 1.12x, 8 causal documents 0.97x."""
     if not uses_wgmma(arch, bucket, score_mod):
         return MAINLOOP_SM80
-    if not ws_fits(bucket, mask, score_mod) or (atomic_dq and mask not in (MASK_NONE, MASK_CAUSAL)):
-        return MAINLOOP_SM90
-    return MAINLOOP_SM90_WS
+    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) else MAINLOOP_SM90
 
 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
