@@ -2,7 +2,8 @@
 # One batched session on a lent GPU: install, compile every variant in parallel, then the named
 # stages, each logging under $OUT (what comes back from the device machine).
 #   bash benchmarks/device_run.sh tests bench            # the usual run
-#   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), bench, benchquick
+#   stages: tests (all gpu tests, short fuzz), quicktests (kernel grid only), fullsuite (the README's whole
+#           `python -m pytest -q`, in the background: see the stage for collecting it), bench, benchquick
 #           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
 #           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong,
 #           fa4 (FlashAttention-4 for the bench, see below), ncu (one forward+backward of $NCU_CELL, default
@@ -69,6 +70,16 @@ for stage in "$@"; do
             python3 benchmarks/profile_cell.py "$cell" > "$OUT/ncu_$kernel.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers|Stall|Issued Warp" "$OUT/ncu_$kernel.txt" | head -20
       done ;;
+    fullsuite)
+      # The README's whole test command, which runs longer (~16 min) than one device call may (10 min): started
+      # here in the background, its log under /tmp. Collect it with a second call on the still-warm machine
+      # (within its ~30 s idle release), which waits for the run and copies the log out:
+      #   while kill -0 $(cat /tmp/cuflash-fullsuite.pid) 2>/dev/null; do sleep 5; done;
+      #   cp /tmp/cuflash-fullsuite.log $OUT/; tail -5 $OUT/cuflash-fullsuite.log
+      # (a third call the same way if it is still running when the second ends).
+      nohup python3 -m pytest -q -p no:cacheprovider > /tmp/cuflash-fullsuite.log 2>&1 &
+      echo $! > /tmp/cuflash-fullsuite.pid
+      echo "python -m pytest -q started in the background (pid $(cat /tmp/cuflash-fullsuite.pid)), log /tmp/cuflash-fullsuite.log" ;;
     fuzzlong)
       CUFLASH_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-10000} CUFLASH_FUZZ_REPORT="$OUT/fuzz_count.txt" \
         timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuzz_gpu.py 2>&1 | tee "$OUT/fuzz.log" | tail -15 ;;
