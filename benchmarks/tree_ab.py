@@ -10,7 +10,8 @@ ones): median GPU time of the forward, the default backward and the deterministi
 calls after a warm-up), their TFLOPS (forward 4 B H S^2 D, halved when causal; backward 2.5x that; forward +
 default backward 3.5x), and, from the second tree on, the largest difference of out / dq / dk / dv from the
 first tree's (saved under --ref-dir): 0 where the kernels compute the same sums in the same order, float
-rounding where only the atomic dQ adds reorder.
+rounding where only the atomic dQ adds reorder. ``--precompile`` compiles a tree's kernels for the cells first
+(on every core; the timed rounds would otherwise compile them one at a time).
 """
 import argparse
 import os
@@ -32,16 +33,21 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--forward-only", action="store_true", help="time and compare the forward alone")
     ap.add_argument("--ref-dir", default="/tmp/cuflash-tree-ab", help="where the first tree's outputs are kept")
+    ap.add_argument("--precompile", action="store_true",
+                    help="only compile the cells' kernels (this tree's plans: forward, both backward modes, sm_90a "
+                         "with 132 SMs) on every core, then exit: run it per tree before the timed rounds")
     args = ap.parse_args()
-    import cupy as cp
-
-    import cuflash
-
     cells = {c.name: c for c in bench.all_cells()}
     unknown = [n for n in args.cells if n not in cells]
     if unknown:
         print(f"no cell named {unknown}; see python -m cuflash bench --list", file=sys.stderr)
         return 2
+    if args.precompile:
+        return precompile([cells[n] for n in args.cells])
+    import cupy as cp
+
+    import cuflash
+
     os.makedirs(args.ref_dir, exist_ok=True)
     for name in args.cells:
         c = cells[name]
@@ -70,6 +76,21 @@ def main() -> int:
         print(f"{args.label:6s} {name:28s} fwd {fwd:7.3f} ms {flops / fwd / 1e9:6.1f} TF | bwd {bwd[False]:7.3f} ms "
               f"{2.5 * flops / bwd[False] / 1e9:6.1f} TF | det {bwd[True]:7.3f} ms {2.5 * flops / bwd[True] / 1e9:6.1f} TF"
               f" | f+b {3.5 * flops / (fwd + bwd[False]) / 1e9:6.1f} TF{diff}", flush=True)
+    return 0
+
+
+def precompile(cells) -> int:
+    from cuflash import build, kernels
+
+    variants = {}
+    for c in cells:
+        shape = kernels.ProblemShape(c.B, c.S, c.S, c.H, c.Hkv, c.D, c.D, "bfloat16", c.causal)
+        plans = [kernels.plan_forward(shape, 90, 132)] + [kernels.plan_backward(shape, 90, d, 132) for d in (False, True)]
+        for plan in plans:
+            for launch in plan.launches:
+                variants[build.render_name(launch.variant)] = launch.variant
+    results = build.precompile("sm_90a", variants=list(variants.values()), workers=os.cpu_count())
+    print(f"{len(results)} kernels compiled", flush=True)
     return 0
 
 
