@@ -92,8 +92,9 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
                          # of the general mask's registers. Not yet measured against spill-free tiles.
                          (90, 128, 4, 1): 100, (90, 128, 5, 0): 156, (90, 128, 5, 1): 172, (90, 128, 5, 3): 40,
                          (90, 64, 4, 1): 16, (90, 64, 5, 3): 20, (80, 128, 5, 1): 60, (80, 64, 4, 1): 100,
-                         # Branch fwd-d64-3wg: the unmasked D64 tile of three consumer warpgroups (160 registers)
-                         # spills 20 + 28 bytes (NVRTC 13.5) per tile, outside the key loop. Not timed yet.
+                         # The unmasked D64 tile of three consumer warpgroups (160 registers, 93c7ab6) spills 20 +
+                         # 28 bytes (NVRTC 13.5) per tile, outside the key loop; timed at 1.10-1.13x the two-
+                         # warpgroup tile at S4k / S16k (H100, RESULTS.md session 10 run 2).
                          (90, 64, 0, 0): 48}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
