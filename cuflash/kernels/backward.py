@@ -455,8 +455,9 @@ def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
     """Whether the deterministic backward runs the warp-specialized dK/dV kernel with its dQ step, the adds
     into each query block taken in key-block order (cuda_src/cuflash/dq_order.cuh), instead of a dQ kernel of
     its own: sm_90a, the warp-specialized tiles, and the masks whose key blocks adding into a query block are
-    always 0 .. n (none, causal; the general kinds, packed sequences among them, keep the dQ kernel)."""
-    return (dkdv_mainloop(arch, bucket, mask, score_mod, False) == MAINLOOP_SM90_WS
+    always 0 .. n (none, causal; the general kinds, packed sequences among them, keep the dQ kernel). The kernel
+    is the atomic backward's own, which takes the warp-specialized mainloop wherever it fits."""
+    return (dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS
             and mask in (MASK_NONE, MASK_CAUSAL))
 
 
@@ -489,10 +490,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         fields.extend(list_fields)
 
     ordered = deterministic and not shape.packed and ordered_dq_fits(arch, bucket, mask, mod)
-    if ordered:
-        dkdv = dkdv_variant(arch, dtype, bucket, mask, True, mod, mainloop=MAINLOOP_SM90_WS)
-    else:
-        dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic, mod)
+    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic or ordered, mod)  # ordered: the default's kernel
     if general:  # the query blocks of each key block
         add_lists(dkdv, True)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
@@ -536,9 +534,6 @@ def all_variants(arch: int) -> list:
                 for mod in SCORE_MODS:
                     try:
                         dkdv = [dkdv_variant(arch, dtype, bucket, mask, atomic, mod) for atomic in (True, False)]
-                        if ordered_dq_fits(arch, bucket, mask, mod):  # the deterministic backward's dK/dV kernel
-                            dkdv.append(dkdv_variant(arch, dtype, bucket, mask, True, mod,
-                                                     mainloop=MAINLOOP_SM90_WS))
                     except ValueError:
                         if not has_bias(mod):
                             raise
