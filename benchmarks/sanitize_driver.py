@@ -65,6 +65,8 @@ def cases(quick: bool = False) -> list:
             Case("bucket 128 (the hot tile), several blocks, GQA", dtype, 1, 200, 333, 4, 2, 128, 128, True, False, False),
             Case("deterministic, causal, several blocks (the warp-specialized dK/dV mainloop), GQA", dtype, 2, 300, 333, 4,
                  2, 128, 128, True, True, False),
+            Case("persistent causal: CTAs walk pairs of a head's longest and shortest query blocks (480 units), Sq > Sk",
+                 dtype, 30, 333, 300, 8, 2, 128, 128, True, False, False),
             Case("persistent: more tiles than SMs (140), a CTA walks two, GQA", dtype, 35, 70, 90, 4, 2, 128, 128, False,
                  False, False),
             Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),

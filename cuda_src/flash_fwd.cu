@@ -62,15 +62,16 @@ __host__ __device__ constexpr int fwd_threads(int mainloop, int n_warps) { retur
 template <typename Cfg, typename Mainloop, typename Epilogue>
 __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned smem_q) {
     constexpr int kMask = Cfg::kMask, kBlockM = Cfg::kBlockM;
-    const FwdTiles tiles(params, kBlockM);
+    const FwdTiles<kMask == kCausalMask> tiles(params, kBlockM);
     Mainloop::init_barriers(smem_q);
     __syncthreads();
     FwdWsRing ring;
     if (threadIdx.x < Mainloop::kProducerThreads) {
         sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
-        for (int t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+        for (int u = blockIdx.x; u < tiles.units; u += gridDim.x)
+        for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
-            tiles.at(t, kMask != kNoMask, m_block, h, b);
+            tiles.at(u, second, kMask != kNoMask, m_block, h, b);
             const SeqInfo seq(params, b, h, LayoutOf<kMask>());
             const int row_begin = m_block * kBlockM;
             if (row_begin >= seq.seqlen_q) continue;
@@ -86,9 +87,10 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
         const int tid = threadIdx.x - Mainloop::kProducerThreads;
         const int warp_row0 = tid / 32 * Cfg::kWarpRows;
         Mainloop::start_turns(warp_row0);
-        for (int t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+        for (int u = blockIdx.x; u < tiles.units; u += gridDim.x)
+        for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
-            tiles.at(t, kMask != kNoMask, m_block, h, b);
+            tiles.at(u, second, kMask != kNoMask, m_block, h, b);
             const SeqInfo seq(params, b, h, LayoutOf<kMask>());
             const int row_begin = m_block * kBlockM;
             if (row_begin >= seq.seqlen_q) continue;

@@ -190,9 +190,9 @@ def test_grouped_heads_per_dkdv_block(p, heads, monkeypatch):
 # Every forward mainloop of sm_90a on the same problems, whichever one the plans pick: the mma.sync one, the
 # 8-warp wgmma one and the warp-specialized one (producer warpgroup, ping-pong consumers). Odd lengths (a
 # partial last block on both sides, one block only, Sq != Sk), GQA / MQA, causal with Sq < Sk, a negative
-# scale (the producer flips Q's sign), dlse, and the three wgmma head dims. The last three have more
-# unmasked tiles than an H100 has SMs (140, 160, 136), so CTAs of the persistent grid walk two: with O staged
-# in its own tile (D128, D64 with a negative scale) and in Q's (D256).
+# scale (the producer flips Q's sign), dlse, and the three wgmma head dims. Three have more unmasked tiles
+# than an H100 has SMs (140, 160, 136), so CTAs of the persistent grid walk two: with O staged in its own tile
+# (D128, D64 with a negative scale) and in Q's (D256); the last two walk causal pairs (480 and 144 units).
 MAINLOOP_PROBLEMS = (
     Problem("bf16", B=2, Sq=333, Sk=517, H=6, Hkv=2, D=128, causal=True),
     Problem("fp16", B=1, Sq=129, Sk=1000, H=4, Hkv=1, D=64),
@@ -203,6 +203,10 @@ MAINLOOP_PROBLEMS = (
     Problem("bf16", B=35, Sq=70, Sk=90, H=4, Hkv=2, D=128),
     Problem("fp16", B=20, Sq=130, Sk=70, H=4, Hkv=4, D=256),
     Problem("bf16", B=34, Sq=33, Sk=40, H=4, Hkv=1, D=64, scale=-0.3),
+    # Causal on the persistent grid, CTAs walking pairs of a head's longest and shortest query blocks: 3 query
+    # blocks (a pair and a lone middle one) with Sq > Sk (empty tiles), 6 at D64 (192-row tiles) with Sq < Sk.
+    Problem("bf16", B=30, Sq=333, Sk=300, H=8, Hkv=2, D=128, causal=True),
+    Problem("fp16", B=12, Sq=1000, Sk=1100, H=4, Hkv=4, D=64, causal=True),
 )
 
 

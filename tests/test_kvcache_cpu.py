@@ -56,6 +56,11 @@ def test_every_tile_fits_its_arch(arch):
         assert v.smem_bytes <= arch_caps(arch).smem_per_block
         assert v.smem_bytes == plans.smem_bytes(bucket, v.config.block_n, v.config.stages)
         assert v.config.block_m == 64 and v.threads == 128
+        for mod in plans.SCORE_MODS:
+            p = plans.variant("bfloat16", bucket, mod, arch, prefill=True)
+            assert p.smem_bytes <= arch_caps(arch).smem_per_block
+            assert p.smem_bytes == plans.smem_bytes(bucket, p.config.block_n, p.config.stages, p.config.block_m)
+            assert p.threads == 32 * p.config.num_warps and p.config.block_m % (16 * p.config.num_warps) == 0
 
 
 def test_plan_orders_append_kernel_combine():
@@ -66,9 +71,33 @@ def test_plan_orders_append_kernel_combine():
     assert p.o_accum == (p.num_splits, 1, 32, 1, 128) and p.lse_accum == (p.num_splits, 1, 32, 1)
     p1 = plans.plan("bfloat16", 64, 1, 32, 8, 128, 128, 0, 8192, False, None, 90, 132)
     assert [launch.variant.name for launch in p1.launches] == [plans.KERNEL_NAME] and p1.num_splits == 1
-    # 77 tokens x 4 heads per group = 308 packed rows: 5 query blocks of 64
+    # 77 tokens x 4 heads per group = 308 packed rows (>= PREFILL_ROWS): the prefill tile, 3 query blocks of 128
     p2 = plans.plan("float16", 2, 77, 8, 2, 96, 96, 1, 640, True, 3, 90, 132)
-    assert p2.launches[1].grid == (5 * 3, 2, 2)
+    assert p2.launches[1].variant.config.block_m == 128 and p2.launches[1].grid == (3 * 3, 2, 2)
+    # 50 tokens x 4 = 200 rows: the decoding tile, 4 query blocks of 64
+    p3 = plans.plan("float16", 2, 50, 8, 2, 96, 96, 1, 640, True, 3, 90, 132)
+    assert p3.launches[1].variant.config.block_m == 64 and p3.launches[1].grid == (4 * 3, 2, 2)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_prefill_takes_the_forward_tile(arch):
+    """From PREFILL_ROWS packed rows per kv head a call takes the mma.sync forward's tile (128 rows where it has
+    them), which fits the arch; a decoding call keeps the 64-row tile."""
+    from cuflash.arch import arch_caps
+    from cuflash.kernels.forward import tile_sm80
+
+    for bucket in (64, 128, 256):
+        decode = plans.variant("bfloat16", bucket, 0, arch)
+        prefill = plans.variant("bfloat16", bucket, 0, arch, prefill=True)
+        assert decode.config.block_m == plans.BLOCK_M
+        assert (prefill.config.block_m, prefill.config.block_n, prefill.config.num_warps,
+                prefill.config.stages) == tile_sm80(arch, bucket, True)
+        assert prefill.smem_bytes <= arch_caps(arch).smem_per_block
+    rows = plans.PREFILL_ROWS
+    big = plans.plan("bfloat16", 1, rows // 4, 32, 8, 128, 128, 0, 4096, True, None, arch, 132)
+    small = plans.plan("bfloat16", 1, rows // 4 - 1, 32, 8, 128, 128, 0, 4096, True, None, arch, 132)
+    assert big.launches[1].variant.config.block_m == tile_sm80(arch, 128, True)[0]
+    assert small.launches[1].variant.config.block_m == plans.BLOCK_M
 
 
 def _cache(gpu, B=3, L=256, Hkv=2, D=64, dtype=BF16, paged=None):

@@ -88,6 +88,10 @@ CASES = [
     Case("bf16", (250, 0, 31), 384, 5, 12, 4, 64, Dv=32, snew=5, causal=True, window=(40, 0), alibi="h"),
     Case("bf16", (100, 100), 256, 9, 4, 2, 40, snew=0, window=(None, 3), lengths="int", num_splits=4),
     Case("fp16", (1000, 3), 1280, 64, 4, 4, 128, snew=64, causal=True, page_size=256, num_splits=None),
+    # the prefill tile (>= PREFILL_ROWS packed rows per kv head): D128 dense with the heuristic's split, and
+    # D128 paged (13-row pages) with softcap + ALiBi (its 32-key variant); lengths that end inside a block
+    Case("bf16", (0, 700, 1500), 1800, 200, 16, 4, 128, snew=200, causal=True, num_splits=None),
+    Case("fp16", (33, 900), 1300, 100, 8, 2, 128, snew=100, causal=True, page_size=13, softcap=30.0, alibi="h"),
     # no appended tokens; a query block bigger than a CTA (Sq x group > 64 rows)
     Case("bf16", (513, 2, 0), 600, 20, 16, 4, 128, causal=True, lengths="host"),
     Case("fp16", (0, 0), 64, 3, 4, 2, 64, snew=0),  # nothing cached: out 0, lse -inf

@@ -92,9 +92,10 @@ def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
     assert forward.variant("bfloat16", bucket, mask, 80, score_mod).config.mainloop == forward.MAINLOOP_SM80
 
 
-def test_forward_grid_is_persistent_only_for_equal_tiles():
-    """Unmasked: min(tiles, SMs) CTAs walk the tiles; masked (uneven tiles): one CTA per tile in a
-    one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
+def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
+    """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
+    j-th longest and j-th shortest query blocks (equal work); the general mask (uneven tiles) and packed
+    sequences: one CTA per tile in a one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
     from cuflash.kernels import forward
 
     def grid(causal, seqlen=1024, batch=16, heads=16, head_dim=128, arch=90, num_sms=132):
@@ -104,7 +105,14 @@ def test_forward_grid_is_persistent_only_for_equal_tiles():
     assert grid(False) == (132, 1, 1)
     assert grid(False, num_sms=114) == (114, 1, 1)
     assert grid(False, seqlen=100, batch=1, heads=2) == (2, 1, 1)  # fewer tiles than SMs
-    assert grid(True) == (8 * 16 * 16, 1, 1)
+    assert grid(True) == (132, 1, 1)  # 4 pairs x 256 heads
+    assert grid(True, seqlen=300, batch=1, heads=2) == (4, 1, 1)  # 3 query blocks: a pair and a middle one
+    assert grid(True, seqlen=128, batch=1, heads=2) == (2, 1, 1)  # one query block: single tiles
+    packed = kernels.ProblemShape(4, 1024, 1024, 16, 16, 128, 128, "bfloat16", True, packed=True, total_q=4096,
+                                  total_k=4096)
+    fwd = [launch for launch in kernels.plan_forward(packed, 90, num_sms=132).launches
+           if launch.variant.name == "cuflash::flash_fwd_kernel"]
+    assert [launch.grid for launch in fwd] == [(8 * 16 * 4, 1, 1)]  # packed: the general mask's one CTA per tile
     assert grid(False, head_dim=96) == (8, 16, 16)  # mma.sync: no warp-specialized tile at D96
     assert grid(True, arch=80) == (8, 16, 16)
 

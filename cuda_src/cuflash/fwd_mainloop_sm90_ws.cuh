@@ -39,13 +39,31 @@ namespace cuflash {
 
 // The tiles of a persistent launch: (query block, head, batch), query blocks of one (batch, head) adjacent
 // (the order of the one-CTA-per-tile grid, which keeps a head's K / V in L2 while its blocks run); the
-// masks' longest-first order within each head. CTA c takes tiles c, c + gridDim.x, ...
+// masks' longest-first order within each head. CTA c takes units c, c + gridDim.x, ..., a unit being one
+// tile, or when paired two tiles of one head: its j-th longest and j-th shortest query blocks (one where
+// they meet). Under causal a tile's key blocks grow linearly with its query block, so the pairs hold about
+// equal work and a static stride balances the CTAs; walking single tiles, CTA c would get query blocks
+// (c + k * gridDim.x) mod num_m, only long ones for some CTAs (H100, session 7: about 3x the work of others).
+// kPairable (causal): paired when the grid is persistent (fewer CTAs than tiles: cuflash/kernels/forward.py
+// grid_for); one CTA per tile walks single tiles.
+template <bool kPairable>
 struct FwdTiles {
     int num_m, num_heads, count;
+    bool paired;
+    int per_head, units;  // units of one (batch, head), units in all
     __device__ __forceinline__ FwdTiles(const AttnParams& p, int block_m)
-        : num_m((p.seqlen_q + block_m - 1) / block_m), num_heads(p.num_heads), count(num_m * p.num_heads * p.batch) {}
-    __device__ __forceinline__ void at(int tile, bool longest_first, int& m_block, int& h, int& b) const {
-        const int m_idx = tile % num_m, hb = tile / num_m;
+        : num_m((p.seqlen_q + block_m - 1) / block_m),
+          num_heads(p.num_heads),
+          count(num_m * p.num_heads * p.batch),
+          paired(kPairable && int(gridDim.x) < count),
+          per_head(paired ? (num_m + 1) / 2 : num_m),
+          units(per_head * p.num_heads * p.batch) {}
+    // How many tiles unit u holds: 1, or 2 for a pair of distinct query blocks.
+    __device__ __forceinline__ int tiles_in(int u) const { return paired && 2 * (u % per_head) + 1 != num_m ? 2 : 1; }
+    // Tile `second` (0, or 1 for a pair's short one) of unit u.
+    __device__ __forceinline__ void at(int u, int second, bool longest_first, int& m_block, int& h, int& b) const {
+        const int j = u % per_head, hb = u / per_head;
+        const int m_idx = paired && second ? num_m - 1 - j : j;
         m_block = longest_first ? num_m - 1 - m_idx : m_idx;
         h = hb % num_heads;
         b = hb / num_heads;

@@ -350,13 +350,21 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     min(tiles, SMs) CTAs, where every tile has the same work (no mask, equal lengths), and one CTA per tile
     otherwise, where the hardware's scheduling balances uneven tiles. Measured on an H100 (session 7, run 3):
     persistent, the unmasked D128 S1k forward went 500 -> 527 TFLOPS and D64 S1k 316 -> 353, but causal
-    D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles)."""
+    D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles). So causal tiles go in pairs
+    (branch fwd-causal-pairs, not yet run on a GPU): a head's j-th longest and j-th shortest query blocks,
+    whose key blocks add to about the same for every j; the grid is persistent over the pairs, min(pairs,
+    SMs), and the kernel walks pairs whenever it has fewer CTAs than tiles (FwdTiles)."""
     tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
     if config.mainloop != MAINLOOP_SM90_WS:
         return tiles
     count = tiles[0] * tiles[1] * tiles[2]
-    if config.mask == MASK_NONE and not shape.packed:
+    if shape.packed:
+        return (count, 1, 1)
+    if config.mask == MASK_NONE:
         return (max(1, min(count, num_sms)), 1, 1)
+    if config.mask == MASK_CAUSAL:
+        pairs = (tiles[0] + 1) // 2 * tiles[1] * tiles[2]
+        return (max(1, min(pairs, num_sms)), 1, 1)
     return (count, 1, 1)
 
 

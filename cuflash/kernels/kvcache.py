@@ -9,7 +9,10 @@ cache once: cuda_src/cuflash/kvcache.cuh).
 
 Tiles. The attention kernel runs the forward's mma.sync mainloop with 4 warps of 16 rows (kBlockM = 64):
 decoding is bound by reading the cache, not by the tensor cores, and 64 rows hold a whole group of up to 64
-heads for one token. Keys per step and stages: :func:`tile` (bytes in flight per SM), shedding stages, then
+heads for one token. From PREFILL_ROWS packed rows per kv head (chunked prefill) it takes the mma.sync
+forward's own tile instead (128 rows of 32-row warps where that tile has them), which reads each K / V tile
+for twice the rows (branch kv-prefill-tile, not yet run on a GPU; session 10 measured chunked prefill on the
+64-row tile at 0.61x FlashAttention-2). Keys per step and stages: :func:`tile` (bytes in flight per SM), shedding stages, then
 keys, on parts with less shared memory.
 
 Split-KV (``num_splits``): None picks it with :func:`num_splits_heuristic` (enough CTAs to fill the SMs when
@@ -33,6 +36,9 @@ COMBINE_NAME = "cuflash::flash_kvcache_combine_kernel"
 DTYPES = ("float16", "bfloat16")
 SCORE_MODS = (MOD_NONE, MOD_SOFTCAP_ALIBI)
 BLOCK_M, WARPS = 64, 4
+#: Packed query rows per kv head (Sq x H / Hkv) from which a call takes the prefill tile (two of its 128-row
+#: blocks): chunked prefill. Below it the 64-row decoding tile, which a single token's group fills better.
+PREFILL_ROWS = 256
 APPEND_THREADS, COMBINE_WARPS = 256, 4
 #: At most this many splits (the combine reads each row's lse_accum 32 at a time).
 MAX_SPLITS = 128
@@ -66,9 +72,9 @@ class CombineConfig:
     dtype: str
 
 
-def smem_bytes(head_dim_bucket: int, block_n: int, stages: int) -> int:
-    """Q (BLOCK_M rows), then ``stages`` K and V tiles of ``block_n`` rows (KvLoads::kSmemBytes)."""
-    return ELEM_BYTES * head_dim_bucket * (BLOCK_M + 2 * stages * block_n)
+def smem_bytes(head_dim_bucket: int, block_n: int, stages: int, block_m: int = BLOCK_M) -> int:
+    """Q (``block_m`` rows), then ``stages`` K and V tiles of ``block_n`` rows (KvLoads::kSmemBytes)."""
+    return ELEM_BYTES * head_dim_bucket * (block_m + 2 * stages * block_n)
 
 
 def tile(arch: int, head_dim_bucket: int) -> tuple:
@@ -97,16 +103,29 @@ def tile(arch: int, head_dim_bucket: int) -> tuple:
     return block_n, stages
 
 
-def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int) -> KernelVariant:
+def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, prefill: bool = False) -> KernelVariant:
+    """The decoding tile (:func:`tile`), or with ``prefill`` the mma.sync forward's own (128 query rows per CTA:
+    :func:`cuflash.kernels.forward.tile_sm80`), for calls with at least PREFILL_ROWS packed query rows per kv
+    head, which are bound by the tensor cores rather than by reading the cache."""
     if dtype not in DTYPES:
         raise ValueError(f"the KV-cache kernel takes float16 or bfloat16; got {dtype=}")
     if score_mod not in SCORE_MODS:
         raise ValueError(f"the KV-cache kernel takes no bias; got {score_mod=}")
     if not arch_caps(arch).has_cp_async:
         raise ValueError(f"the KV-cache kernel needs sm_80 or later; got {arch=}")
-    block_n, stages = tile(arch, head_dim_bucket)
-    config = KvConfig(dtype, head_dim_bucket, BLOCK_M, block_n, WARPS, stages, int(score_mod))
-    return KernelVariant(SOURCE, KERNEL_NAME, config, WARPS * 32, smem_bytes(head_dim_bucket, block_n, stages))
+    if prefill:
+        from .forward import tile_sm80
+
+        block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, True, heavy=score_mod != MOD_NONE)
+        if (block_m, block_n, stages) == (128, 64, 1) and score_mod != MOD_NONE:
+            # D128 with softcap / ALiBi on sm_90a: the forward's 128 x 64 x 1-stage tile spilled 192 bytes here
+            # (NVRTC 13.5; without them 64, as the forward declares); 32 keys x 2 stages keeps acc + S at 160
+            # and spills nothing. (sm_80 prefill tiles with softcap / ALiBi spill 16 at D32 and 40 at D96.)
+            block_n, stages = 32, 2
+    else:
+        (block_n, stages), block_m, warps = tile(arch, head_dim_bucket), BLOCK_M, WARPS
+    config = KvConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(score_mod))
+    return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem_bytes(head_dim_bucket, block_n, stages, block_m))
 
 
 def append_variant(dtype: str) -> KernelVariant:
@@ -166,9 +185,9 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
          head_dim_v: int, score_mod: int, longest_keys: int, append: bool, num_splits: int | None, arch: int,
          num_sms: int, paged: bool = False) -> KvPlan:
     """``longest_keys``: the most keys any batch can attend to (the cache's capacity, or the known lengths)."""
-    v = variant(dtype, head_dim_bucket, score_mod, arch)
     group = num_heads // num_heads_k
-    m_blocks = -(-(seqlen_q * group) // BLOCK_M)
+    v = variant(dtype, head_dim_bucket, score_mod, arch, prefill=seqlen_q * group >= PREFILL_ROWS)
+    m_blocks = -(-(seqlen_q * group) // v.config.block_m)
     key_blocks = max(1, -(-longest_keys // v.config.block_n))
     if num_splits is None:
         slots = num_sms * (ctas_per_sm(v, arch) if paged else 1)
@@ -191,7 +210,9 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
 def all_variants(arch: int) -> list:
     if not arch_caps(arch).has_cp_async:
         return []
-    out = [variant(dtype, bucket, mod, arch) for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS]
+    attention = {variant(dtype, bucket, mod, arch, prefill) for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS
+                 for mod in SCORE_MODS for prefill in (False, True)}
+    out = sorted(attention, key=lambda v: (v.config.dtype, v.config.head_dim, v.config.score_mod, v.config.block_m))
     out += [append_variant(dtype) for dtype in ("bfloat16", "float32")]
     out += [combine_variant(dtype) for dtype in DTYPES]
     return out
