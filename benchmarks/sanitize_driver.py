@@ -100,6 +100,8 @@ def cases(quick: bool = False) -> list:
                      True, False, False, "kvcache+paged+window+alibi"),
                 Case("kvcache: decode, paged (13 rows), split, D 256 MQA", dtype, 2, 1, 520, 8, 1, 256, 256, False,
                      False, False, "kvcache+paged+split"),
+                Case("kvcache: chunked prefill on the 128-row tile (>= 256 rows per kv head), paged (13 rows), GQA",
+                     dtype, 2, 130, 390, 4, 2, 128, 128, True, False, False, "kvcache+paged"),
             ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
