@@ -95,7 +95,8 @@ def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
 def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
     j-th longest and j-th shortest query blocks (equal work); the general mask (uneven tiles) and packed
-    sequences: one CTA per tile in a one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
+    sequences, and causal heads of more than PAIRED_MAX_QUERY_BLOCKS query blocks: one CTA per tile in a
+    one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
     from cuflash.kernels import forward
 
     def grid(causal, seqlen=1024, batch=16, heads=16, head_dim=128, arch=90, num_sms=132):
@@ -108,6 +109,8 @@ def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     assert grid(True) == (132, 1, 1)  # 4 pairs x 256 heads
     assert grid(True, seqlen=300, batch=1, heads=2) == (4, 1, 1)  # 3 query blocks: a pair and a middle one
     assert grid(True, seqlen=128, batch=1, heads=2) == (2, 1, 1)  # one query block: single tiles
+    assert grid(True, seqlen=64 * 128, batch=1, heads=16) == (132, 1, 1)  # 64 query blocks a head: pairs
+    assert grid(True, seqlen=65 * 128, batch=1, heads=16) == (65 * 16, 1, 1)  # longer: one CTA per tile
     packed = kernels.ProblemShape(4, 1024, 1024, 16, 16, 128, 128, "bfloat16", True, packed=True, total_q=4096,
                                   total_k=4096)
     fwd = [launch for launch in kernels.plan_forward(packed, 90, num_sms=132).launches

@@ -343,6 +343,14 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     return KernelVariant(SOURCE, KERNEL_NAME, config, config.threads, smem)
 
 
+#: The causal warp-specialized forward walks pairs of query blocks on a persistent grid (:func:`grid_for`) up to
+#: this many query blocks per head. H100, bf16, session 11 run 3 (three interleaved rounds, against one CTA per
+#: tile): D64 S1k +7.7%, D64 S4k +4.3%, D128 S1k +4.6%, D128 S4k +9.9%, GQA 32/8 D128 S4k +4.1%, but D128 S16k
+#: (128 query blocks of 128 rows per head) -4.3%: 1024 equal pairs on 132 SMs end in a wave 3% short, which the
+#: hardware's scheduling of single tiles avoids, while a long tile gains little from the next one's early loads.
+PAIRED_MAX_QUERY_BLOCKS = 64
+
+
 def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     """The launch grid: one CTA per (query block, head, batch), (ceil(Sq / kBlockM), H, B). The
     warp-specialized kernel walks its tiles in a loop (cuda_src/flash_fwd.cu: query blocks of one head
@@ -350,10 +358,11 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     min(tiles, SMs) CTAs, where every tile has the same work (no mask, equal lengths), and one CTA per tile
     otherwise, where the hardware's scheduling balances uneven tiles. Measured on an H100 (session 7, run 3):
     persistent, the unmasked D128 S1k forward went 500 -> 527 TFLOPS and D64 S1k 316 -> 353, but causal
-    D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles). So causal tiles go in pairs
-    (branch fwd-causal-pairs, not yet run on a GPU): a head's j-th longest and j-th shortest query blocks,
-    whose key blocks add to about the same for every j; the grid is persistent over the pairs, min(pairs,
-    SMs), and the kernel walks pairs whenever it has fewer CTAs than tiles (FwdTiles)."""
+    D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles). So causal tiles go in pairs:
+    a head's j-th longest and j-th shortest query blocks, whose key blocks add to about the same for every j;
+    the grid is persistent over the pairs, min(pairs, SMs), and the kernel walks pairs whenever it has fewer
+    CTAs than tiles (FwdTiles). That pays where tiles are short, up to PAIRED_MAX_QUERY_BLOCKS per head; longer
+    heads keep one CTA per tile (measured below, at PAIRED_MAX_QUERY_BLOCKS)."""
     tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
     if config.mainloop != MAINLOOP_SM90_WS:
         return tiles
@@ -362,7 +371,7 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
         return (count, 1, 1)
     if config.mask == MASK_NONE:
         return (max(1, min(count, num_sms)), 1, 1)
-    if config.mask == MASK_CAUSAL:
+    if config.mask == MASK_CAUSAL and tiles[0] <= PAIRED_MAX_QUERY_BLOCKS:
         pairs = (tiles[0] + 1) // 2 * tiles[1] * tiles[2]
         return (max(1, min(pairs, num_sms)), 1, 1)
     return (count, 1, 1)
