@@ -123,8 +123,10 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
 // say which blocks need the per-element test; needs_mask itself answers "maybe" everywhere.
 // kBool: the variant that also reads a bool mask (kGeneralBoolMask); without it the per-element test has no
 // mask term at all (the dK/dV kernels' registers are tight: an unused runtime branch on it spilled).
-template <bool kBool>
-struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
+// kByRows: the apply forms read each id once per row and once per column (apply_by_rows, apply_transposed
+// below) instead of per element; MaskOf turns it off with a bool mask or dropout, whose variants spilled with it.
+template <bool kBool, bool kByRows = !kBool>
+struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kByRows>> {
     // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
     // may be repeated after every barrier or asm fence); the id and list pointers are read from the
     // parameter block where used, since only the variants with ids need them.
@@ -165,14 +167,17 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
     }
     __device__ __forceinline__ bool needs_mask(int, int, int, int) const { return true; }
 
-    // The C-fragment form. With several m-tiles per warp (the mma.sync forward) each id is read once per
-    // row and once per column: the generic per-element form issued two id loads per element, all hoisted
-    // ahead of the tests (D64 128 x 128, sm_90a: 412 bytes of spill against 88). With one m-tile (the
-    // wgmma forward, the dQ kernel) the generic form keeps fewer registers live (202 against 255 and 16
-    // bytes of spill at D128).
+    // The C-fragment form: each id is read once per row and once per column, not twice per element. The
+    // generic per-element form issued two id loads per element, all hoisted ahead of the tests (D64 128 x 128
+    // mma.sync, sm_90a: 412 bytes of spill against 88), and on the warp-specialized forward's partial tiles
+    // (m64n128: 64 scores, 2 rows and 32 columns a thread) the 128 loads a tile left the consumers waiting on
+    // L1 (H100, 8 causal documents B4 S4k H16 D128: the forward kernel took 508 us, as long as plain causal,
+    // for a quarter of its tiles; ncu: 38% of the stalls on L1TEX).
+    // Without kByRows and with one m-tile per warp (the wgmma forwards, the dQ kernel) the per-element form
+    // stays: with a bool mask or dropout, reading by rows took 4-120 more bytes of spill there (ptxas 13.0).
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
-        if constexpr (kMTiles == 1) {
+        if constexpr (kMTiles == 1 && !kByRows) {
             for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
                 if (!visible_ranges(row, col)) x = -INFINITY;
             });
@@ -183,6 +188,48 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool>> {
             for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
                 if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
             });
+        }
+    }
+
+    // The transposed form (the dK/dV kernels' S^T: a thread's 2 keys as rows, kNTiles x 2 queries as
+    // columns), the ids read the same way: the two keys' once, each query's once. Queries >= rows_valid are
+    // hidden too (MaskTiles::apply_transposed). Without kByRows the per-element form stays (this one spilled
+    // 16-470 bytes in the bool-mask dK/dV variants, ptxas 13.0).
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
+                                                     int rows_valid) const {
+        if constexpr (!kByRows) {
+            MaskTiles<GeneralMaskOf<kBool, kByRows>>::apply_transposed(acc, key_row, query_col, rows_valid);
+            return;
+        }
+        const bool seg = has_seg, blk = has_blk;
+        int k_seg[2], k_blk[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key_row + half * 8;
+            const bool ok = key < seqlen_k;  // a key past Sk: hidden below whatever its ids
+            k_seg[half] = seg && ok ? __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + key) : 0;
+            k_blk[half] = blk && ok ? __ldg(p.k_block_ids + b * p.k_block_batch_stride + key) : 0;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int query = query_col + nt * 8 + c;
+                const bool q_ok = (query < rows_valid) & (query < seqlen_q);
+                int q_seg = 0, q_blk = 0;  // loaded under branches, so they are not all hoisted ahead
+                if (seg && q_ok) q_seg = __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + query);
+                if (blk && q_ok) q_blk = __ldg(p.q_block_ids + b * p.q_block_batch_stride + query);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int key = key_row + half * 8;
+                    const int d = key - query - causal_offset;
+                    const bool ok = q_ok & (key < seqlen_k) & (d >= -window_left) & (d <= window_right) &
+                                    (q_seg == k_seg[half]) & (k_blk[half] <= q_blk);
+                    float& x = acc[nt][2 * half + c];
+                    x = ok ? x : -INFINITY;
+                }
+            }
         }
     }
 
@@ -246,6 +293,8 @@ template <int kMask>
 using LayoutOf = LayoutTag<is_general_mask(kMask)>;
 
 template <int kMask>
-using MaskOf = conditional_t<is_general_mask(kMask), GeneralMaskOf<mask_has_bool(kMask)>, AttnMask<kMask == kCausalMask>>;
+using MaskOf = conditional_t<is_general_mask(kMask),
+                             GeneralMaskOf<mask_has_bool(kMask), !mask_has_bool(kMask) && !mask_has_dropout(kMask)>,
+                             AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash

@@ -95,7 +95,11 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
                          # The unmasked D64 tile of three consumer warpgroups (160 registers, 93c7ab6) spills 20 +
                          # 28 bytes (NVRTC 13.5) per tile, outside the key loop; timed at 1.10-1.13x the two-
                          # warpgroup tile at S4k / S16k (H100, RESULTS.md session 10 run 2).
-                         (90, 64, 0, 0): 48}
+                         (90, 64, 0, 0): 48,
+                         # The general mask's ids read once per row and column (mask.cuh, kByRows) on the warp-
+                         # specialized tiles: 8-28 bytes (NVRTC 13.5), against the per-element form's 0 bytes and
+                         # 128 id loads per partial tile (session 11; timed in RESULTS.md session 11).
+                         (90, 128, 2, 0): 16, (90, 128, 2, 1): 8, (90, 64, 2, 0): 16, (90, 64, 2, 1): 28}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
