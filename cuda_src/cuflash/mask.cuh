@@ -292,9 +292,12 @@ using GeneralMask = GeneralMaskOf<false>;
 template <int kMask>
 using LayoutOf = LayoutTag<is_general_mask(kMask)>;
 
-template <int kMask>
+// kIdsByRows: whether the general kinds without a bool mask or dropout read ids by rows (GeneralMaskOf's
+// kByRows); a kernel turns it off where it costs registers on every tile (FwdConfig, above D128).
+template <int kMask, bool kIdsByRows = true>
 using MaskOf = conditional_t<is_general_mask(kMask),
-                             GeneralMaskOf<mask_has_bool(kMask), !mask_has_bool(kMask) && !mask_has_dropout(kMask)>,
+                             GeneralMaskOf<mask_has_bool(kMask),
+                                           kIdsByRows && !mask_has_bool(kMask) && !mask_has_dropout(kMask)>,
                              AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash
