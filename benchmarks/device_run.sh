@@ -23,9 +23,17 @@ mkdir -p "$OUT"
 export CUFLASH_CACHE_DIR=/tmp/cuflash-cache
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+# Temperature, SM clock, power and the driver's slowdown counters (cumulative since boot): printed before and
+# after the stages, so a throttled machine shows (session 11: one H100 idled at 65 C and spent 95 s of its first
+# 6 minutes in thermal slowdown, every implementation at 0.3-0.8x of other runs).
+thermals() {
+  nvidia-smi --query-gpu=temperature.gpu,clocks.sm,power.draw --format=csv,noheader
+  nvidia-smi -q -d PERFORMANCE | sed -n '/Clocks Event Reasons Counters/,/^ *$/p' | tr -s ' ' | paste -sd' '
+}
 
 stamp "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+thermals | tee -a "$OUT/device.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 # The tree travels without .git: the caller writes the commit to scratch/COMMIT before the run.
 export CUFLASH_COMMIT=$(cat scratch/COMMIT 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
@@ -87,4 +95,5 @@ for stage in "$@"; do
       echo "unknown stage $stage" ;;
   esac
 done
+thermals | tee -a "$OUT/device.txt"
 stamp "done"
