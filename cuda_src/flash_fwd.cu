@@ -69,7 +69,7 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
     if (threadIdx.x < Mainloop::kProducerThreads) {
         sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
         FwdUnitWalk<Mainloop> walk(smem_q);
-        for (int u = walk.producer_first(params); u < tiles.units; u = walk.producer_next(params, u))
+        for (int u = walk.producer_first(params, ring); u < tiles.units; u = walk.producer_next(params, ring, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);

@@ -70,6 +70,14 @@ struct FwdTiles {
     }
 };
 
+// Where the pipeline stands: tiles with work and K / V steps so far (the same count on both sides).
+struct FwdWsRing {
+    int tiles = 0;
+    int steps = 0;
+    unsigned in_flight = 0;  // producer: the full barrier of the group issued last, not yet published
+    bool pending = false;
+};
+
 // How a CTA walks the units of FwdTiles. Without a queue: units c, c + gridDim.x, ... (the persistent grid's
 // static stride; with one CTA per unit, its own). Under the general mask (Mainloop::kQueue) a unit's work is
 // known only from its list, so the CTAs take units from a queue instead (FlashAttention-3's dynamic
@@ -77,7 +85,7 @@ struct FwdTiles {
 // (fwd_tile_counter, zeroed by their pre-pass), the producer warpgroup meets to read it, and hands it to the
 // consumers through one int of shared memory and two named barriers: full (the producer arrives, the
 // consumers wait) and empty (the consumers arrive once they have read it, and once at the start, so the
-// producer's first wait passes; the producer waits before it writes). The consumers read a unit when they
+// producer's first wait passes; the producer publishes its loads, then waits before it writes). The consumers read a unit when they
 // start it, so the producer takes the next one (and loads for it) while they work. A unit past the last ends
 // both loops; the consumers do not hand it back, so every barrier phase completes. (Two slots alternating by
 // a unit count cost the D128 consumers 92 + 112 bytes of spill, nvcc 13.0; one slot, none.)
@@ -88,17 +96,20 @@ struct FwdUnitWalk {
 
     __device__ __forceinline__ explicit FwdUnitWalk(unsigned smem_) : smem(smem_) {}
 
-    // Producer (every thread of its warpgroup): its first unit, then the one after u.
-    __device__ __forceinline__ int producer_first(const AttnParams& p) const {
+    // Producer (every thread of its warpgroup): its first unit, then the one after u. Before it waits for
+    // the consumers, the producer publishes its pending loads (Mainloop::flush): the consumers may need the
+    // last tile's last V to finish it and read the next unit (a skipped unit, with no loads of its own, would
+    // otherwise leave that V pending while the producer waits: a deadlock).
+    __device__ __forceinline__ int producer_first(const AttnParams& p, FwdWsRing& ring) const {
         if constexpr (Mainloop::kQueue) {
-            return take(p);
+            return take(p, ring);
         } else {
             return int(blockIdx.x);
         }
     }
-    __device__ __forceinline__ int producer_next(const AttnParams& p, int u) const {
+    __device__ __forceinline__ int producer_next(const AttnParams& p, FwdWsRing& ring, int u) const {
         if constexpr (Mainloop::kQueue) {
-            return take(p);
+            return take(p, ring);
         } else {
             return u + int(gridDim.x);
         }
@@ -123,7 +134,8 @@ struct FwdUnitWalk {
     }
 
   private:
-    __device__ __forceinline__ int take(const AttnParams& p) const {
+    __device__ __forceinline__ int take(const AttnParams& p, FwdWsRing& ring) const {
+        Mainloop::flush(ring);
         sm90::named_barrier_sync(Mainloop::kUnitEmptyBarrier, kAll);  // the consumers read the last one
         if (threadIdx.x == 0) st_shared_b32(Mainloop::unit_slot(smem), unsigned(atomicAdd(fwd_tile_counter(p), 1)));
         sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);
@@ -137,14 +149,6 @@ struct FwdUnitWalk {
         if (taken < units) sm90::named_barrier_arrive(Mainloop::kUnitEmptyBarrier, kAll);
         return taken;
     }
-};
-
-// Where the pipeline stands: tiles with work and K / V steps so far (the same count on both sides).
-struct FwdWsRing {
-    int tiles = 0;
-    int steps = 0;
-    unsigned in_flight = 0;  // producer: the full barrier of the group issued last, not yet published
-    bool pending = false;
 };
 
 template <typename Cfg>

@@ -99,7 +99,8 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
                          # The general mask's ids read once per row and column (mask.cuh, kByRows) on the warp-
                          # specialized tiles: 8-28 bytes (NVRTC 13.5), against the per-element form's 0 bytes and
                          # 128 id loads per partial tile (session 11; timed in RESULTS.md session 11).
-                         (90, 128, 2, 0): 16, (90, 128, 2, 1): 8, (90, 64, 2, 0): 16, (90, 64, 2, 1): 28}
+                         # Branch fwd-dynamic-tiles: the tile queue moved the D64 one with a score modifier to 44.
+                         (90, 128, 2, 0): 16, (90, 128, 2, 1): 8, (90, 64, 2, 0): 16, (90, 64, 2, 1): 44}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
