@@ -169,3 +169,17 @@ def test_deterministic_backward_keeps_the_dq_kernel_elsewhere(arch, bucket, gene
     plan = kernels.plan_backward(shape, arch, True)
     assert "cuflash::flash_bwd_dq_kernel" in [launch.variant.name for launch in plan.launches]
     assert "dq_order_offset" not in dict(plan.fields)
+
+
+def test_forward_lists_carry_the_tile_queue_counter():
+    """The query-block lists (forward, dQ) end with one more int, the warp-specialized forward's tile counter
+    that their pre-pass zeroes (params.cuh fwd_tile_counter: after B x mask heads x rows x stride ints); the
+    key-block lists (dK / dV) do not."""
+    from cuflash.kernels import block_lists
+
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 128, 128, False, heads=2)
+    rows, stride = dict(fields)["kv_blocks_rows"], dict(fields)["kv_blocks_stride"]
+    assert field == "kv_blocks" and (rows, stride) == (3, 5)
+    assert shape == (3 * 2 * rows * stride + 1,)
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2)
+    assert field == "q_blocks" and shape == (3 * 2 * dict(fields)["q_blocks_rows"] * dict(fields)["q_blocks_stride"],)
