@@ -110,6 +110,9 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
     constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
     constexpr int kKRows = kTransposed ? kOuter : kInner;
     const int outer = blockIdx.x, b = blockIdx.z;
+    if (!kTransposed && outer == 0 && blockIdx.y == 0 && b == 0 && threadIdx.x == 0) {
+        *fwd_tile_counter(params) = 0;  // the warp-specialized forward's queue, after every list row
+    }
     // grid y: the mask's list heads
     const SeqInfo seq(params, b, blockIdx.y * params.mask_head_div);
     const GeneralMaskOf<true> m(params, seq);

@@ -68,7 +68,8 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
     FwdWsRing ring;
     if (threadIdx.x < Mainloop::kProducerThreads) {
         sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
-        for (int u = blockIdx.x; u < tiles.units; u += gridDim.x)
+        FwdUnitWalk<Mainloop> walk(smem_q);
+        for (int u = walk.producer_first(params, ring); u < tiles.units; u = walk.producer_next(params, ring, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);
@@ -87,7 +88,8 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
         const int tid = threadIdx.x - Mainloop::kProducerThreads;
         const int warp_row0 = tid / 32 * Cfg::kWarpRows;
         Mainloop::start_turns(warp_row0);
-        for (int u = blockIdx.x; u < tiles.units; u += gridDim.x)
+        FwdUnitWalk<Mainloop> walk(smem_q);
+        for (int u = walk.consumer_first(tiles); u < tiles.units; u = walk.consumer_next(tiles, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);

@@ -94,9 +94,10 @@ def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
 
 def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
-    j-th longest and j-th shortest query blocks (equal work); the general mask (uneven tiles) and packed
-    sequences, and causal heads of more than PAIRED_MAX_QUERY_BLOCKS query blocks: one CTA per tile in a
-    one-dimensional grid; other mainloops keep the (query blocks, H, B) grid."""
+    j-th longest and j-th shortest query blocks (equal work); causal heads of more than
+    PAIRED_MAX_QUERY_BLOCKS query blocks: one CTA per tile in a one-dimensional grid; the general mask
+    (uneven tiles, packed sequences too): min(tiles, SMs) CTAs taking tiles from a queue; other mainloops keep
+    the (query blocks, H, B) grid."""
     from cuflash.kernels import forward
 
     def grid(causal, seqlen=1024, batch=16, heads=16, head_dim=128, arch=90, num_sms=132):
@@ -115,7 +116,9 @@ def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
                                   total_k=4096)
     fwd = [launch for launch in kernels.plan_forward(packed, 90, num_sms=132).launches
            if launch.variant.name == "cuflash::flash_fwd_kernel"]
-    assert [launch.grid for launch in fwd] == [(8 * 16 * 4, 1, 1)]  # packed: the general mask's one CTA per tile
+    assert [launch.grid for launch in fwd] == [(132, 1, 1)]  # packed: the general mask's queue
+    few = kernels.ProblemShape(1, 300, 300, 2, 2, 128, 128, "bfloat16", False, general_mask=True)
+    assert kernels.plan_forward(few, 90, num_sms=132).launches[-1].grid == (6, 1, 1)  # 3 x 2 tiles
     assert grid(False, head_dim=96) == (8, 16, 16)  # mma.sync: no warp-specialized tile at D96
     assert grid(True, arch=80) == (8, 16, 16)
 
@@ -166,3 +169,17 @@ def test_deterministic_backward_keeps_the_dq_kernel_elsewhere(arch, bucket, gene
     plan = kernels.plan_backward(shape, arch, True)
     assert "cuflash::flash_bwd_dq_kernel" in [launch.variant.name for launch in plan.launches]
     assert "dq_order_offset" not in dict(plan.fields)
+
+
+def test_forward_lists_carry_the_tile_queue_counter():
+    """The query-block lists (forward, dQ) end with one more int, the warp-specialized forward's tile counter
+    that their pre-pass zeroes (params.cuh fwd_tile_counter: after B x mask heads x rows x stride ints); the
+    key-block lists (dK / dV) do not."""
+    from cuflash.kernels import block_lists
+
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 128, 128, False, heads=2)
+    rows, stride = dict(fields)["kv_blocks_rows"], dict(fields)["kv_blocks_stride"]
+    assert field == "kv_blocks" and (rows, stride) == (3, 5)
+    assert shape == (3 * 2 * rows * stride + 1,)
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2)
+    assert field == "q_blocks" and shape == (3 * 2 * dict(fields)["q_blocks_rows"] * dict(fields)["q_blocks_stride"],)

@@ -78,6 +78,79 @@ struct FwdWsRing {
     bool pending = false;
 };
 
+// How a CTA walks the units of FwdTiles. Without a queue: units c, c + gridDim.x, ... (the persistent grid's
+// static stride; with one CTA per unit, its own). Under the general mask (Mainloop::kQueue) a unit's work is
+// known only from its list, so the CTAs take units from a queue instead (FlashAttention-3's dynamic
+// scheduler): producer thread 0 takes the next one with an atomic add on the counter after the lists
+// (fwd_tile_counter, zeroed by their pre-pass), the producer warpgroup meets to read it, and hands it to the
+// consumers through one int of shared memory and two named barriers: full (the producer arrives, the
+// consumers wait) and empty (the consumers arrive once they have read it, and once at the start, so the
+// producer's first wait passes; the producer publishes its loads, then waits before it writes). The consumers read a unit when they
+// start it, so the producer takes the next one (and loads for it) while they work. A unit past the last ends
+// both loops; the consumers do not hand it back, so every barrier phase completes. (Two slots alternating by
+// a unit count cost the D128 consumers 92 + 112 bytes of spill, nvcc 13.0; one slot, none.)
+template <typename Mainloop>
+struct FwdUnitWalk {
+    static constexpr int kAll = Mainloop::kProducerThreads + Mainloop::kConsumerThreads;
+    unsigned smem;
+
+    __device__ __forceinline__ explicit FwdUnitWalk(unsigned smem_) : smem(smem_) {}
+
+    // Producer (every thread of its warpgroup): its first unit, then the one after u. Before it waits for
+    // the consumers, the producer publishes its pending loads (Mainloop::flush): the consumers may need the
+    // last tile's last V to finish it and read the next unit (a skipped unit, with no loads of its own, would
+    // otherwise leave that V pending while the producer waits: a deadlock).
+    __device__ __forceinline__ int producer_first(const AttnParams& p, FwdWsRing& ring) const {
+        if constexpr (Mainloop::kQueue) {
+            return take(p, ring);
+        } else {
+            return int(blockIdx.x);
+        }
+    }
+    __device__ __forceinline__ int producer_next(const AttnParams& p, FwdWsRing& ring, int u) const {
+        if constexpr (Mainloop::kQueue) {
+            return take(p, ring);
+        } else {
+            return u + int(gridDim.x);
+        }
+    }
+    // Consumers (every thread): the first unit, then the one after u, as the producer took them.
+    template <typename Tiles>
+    __device__ __forceinline__ int consumer_first(const Tiles& tiles) const {
+        if constexpr (Mainloop::kQueue) {
+            sm90::named_barrier_arrive(Mainloop::kUnitEmptyBarrier, kAll);  // the producer's first wait
+            return receive(tiles.units);
+        } else {
+            return int(blockIdx.x);
+        }
+    }
+    template <typename Tiles>
+    __device__ __forceinline__ int consumer_next(const Tiles& tiles, int u) const {
+        if constexpr (Mainloop::kQueue) {
+            return receive(tiles.units);
+        } else {
+            return u + int(gridDim.x);
+        }
+    }
+
+  private:
+    __device__ __forceinline__ int take(const AttnParams& p, FwdWsRing& ring) const {
+        Mainloop::flush(ring);
+        sm90::named_barrier_sync(Mainloop::kUnitEmptyBarrier, kAll);  // the consumers read the last one
+        if (threadIdx.x == 0) st_shared_b32(Mainloop::unit_slot(smem), unsigned(atomicAdd(fwd_tile_counter(p), 1)));
+        sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);
+        const int taken = int(ld_shared_b32(Mainloop::unit_slot(smem)));
+        sm90::named_barrier_arrive(Mainloop::kUnitFullBarrier, kAll);
+        return taken;
+    }
+    __device__ __forceinline__ int receive(int units) const {
+        sm90::named_barrier_sync(Mainloop::kUnitFullBarrier, kAll);
+        const int taken = int(ld_shared_b32(Mainloop::unit_slot(smem)));
+        if (taken < units) sm90::named_barrier_arrive(Mainloop::kUnitEmptyBarrier, kAll);
+        return taken;
+    }
+};
+
 template <typename Cfg>
 struct FwdMainloopSm90Ws
     : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, Cfg::kStages, 128>> {
@@ -108,6 +181,9 @@ struct FwdMainloopSm90Ws
     static constexpr int kSchedBarrier = 1;  // named barriers 1 .. G: the consumers' turns
     static constexpr int kWarpgroupBarrier = kSchedBarrier + kConsumerWarpgroups;  // next G: one warpgroup's threads
     static constexpr int kProducerBarrier = kWarpgroupBarrier + kConsumerWarpgroups;  // the producer warpgroup's
+    static constexpr int kUnitFullBarrier = kProducerBarrier + 1;   // the tile queue's (FwdUnitWalk)
+    static constexpr int kUnitEmptyBarrier = kUnitFullBarrier + 1;
+    static_assert(kUnitEmptyBarrier < 16, "16 named barriers");
 
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
@@ -120,8 +196,11 @@ struct FwdMainloopSm90Ws
     // for staging O (else the epilogue stages O in Q's tile, and Q is released only after it), then the
     // mbarriers: q_full, q_empty, then k_full, v_full, k_empty, v_empty of every slot.
     static constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
+    // Under the general mask the producer takes tiles from a queue (FwdUnitWalk) and hands each to the
+    // consumers through an int after the mbarriers.
+    static constexpr bool kQueue = is_general_mask(Cfg::kMask);
     static constexpr int kBarriers = 2 + 4 * kStages;
-    static constexpr int kBarrierBytes = (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
+    static constexpr int kBarrierBytes = (kBarriers * sm90::kMbarrierBytes + (kQueue ? 8 : 0) + 15) / 16 * 16;
     static constexpr bool kSeparateO = Loads::kSmemBytes + QTile::kBytes + kBarrierBytes <= kMaxSmemBytes;
     static constexpr int kOffO = Loads::kSmemBytes;
     static constexpr int kOffBarriers = Loads::kSmemBytes + (kSeparateO ? QTile::kBytes : 0);
@@ -148,6 +227,10 @@ struct FwdMainloopSm90Ws
     __device__ __forceinline__ unsigned v_full(int r) const { return barrier(this->smem_q, 2 + kStages + r % kStages); }
     __device__ __forceinline__ unsigned k_empty(int r) const { return barrier(this->smem_q, 2 + 2 * kStages + r % kStages); }
     __device__ __forceinline__ unsigned v_empty(int r) const { return barrier(this->smem_q, 2 + 3 * kStages + r % kStages); }
+    // The tile queue's slot (kQueue): the unit the producer took last.
+    static __device__ __forceinline__ unsigned unit_slot(unsigned smem) {
+        return smem + kOffBarriers + kBarriers * sm90::kMbarrierBytes;
+    }
     // The parity of the phase that ring step r's use of its slot completes.
     static __device__ __forceinline__ int parity(int r) { return (r / kStages) & 1; }
     static __device__ __forceinline__ unsigned slot(int r) { return unsigned(r % kStages) * Tile::kBytes; }

@@ -137,6 +137,12 @@ struct AttnParams {
     int dq_order_unused;  // keeps the struct a multiple of 8 bytes
 };
 
+// The warp-specialized forward's tile counter under the general mask: the int after the query-block lists
+// (cuflash/kernels/block_lists.py), zeroed by their pre-pass.
+__device__ __forceinline__ int* fwd_tile_counter(const AttnParams& p) {
+    return p.kv_blocks + static_cast<long long>(p.batch) * p.mask_heads * p.kv_blocks_rows * p.kv_blocks_stride;
+}
+
 #ifdef CUFLASH_PARAMS_BYTES
 static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES,
               "AttnParams and its numpy mirror in cuflash/params.py disagree");

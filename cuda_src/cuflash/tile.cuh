@@ -61,6 +61,11 @@ using PanelTile = SwizzledTile<kRows, kCols, kCols % 64 == 0 ? 64 : kCols>;
 __device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned value) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }
+__device__ __forceinline__ unsigned ld_shared_b32(unsigned addr) {
+    unsigned value;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+}
 
 __device__ __forceinline__ void st_shared_b128(unsigned addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),

@@ -7,7 +7,8 @@ each entry flagged "partial" when the per-element test must run. The lists depen
 each attention launch that needs them is preceded by one pre-pass launch with the same tile: grid
 ``(outer blocks, mask heads, B)``, 128 threads, no dynamic shared memory. The lists are int32 scratch
 ``(B, mask heads, outer blocks, inner blocks + 1)``, rows ``[count, entries...]``; ``mask heads`` is 1
-unless a bool mask differs per head (``ProblemShape.mask_heads``).
+unless a bool mask differs per head (``ProblemShape.mask_heads``). The query-block lists (not transposed) carry
+one more int after the rows, the warp-specialized forward's tile counter, which the pre-pass zeroes.
 """
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: i
         outer, inner, n_outer, n_inner = block_m, block_n, _cdiv(seqlen_q, block_m), _cdiv(seqlen_k, block_n)
         field, prefix = "kv_blocks", "kv_blocks"
     launch = Launch(variant(outer, inner, transposed), (max(n_outer, 1), heads, batch))
-    scratch = (field, (batch, heads, max(n_outer, 1), n_inner + 1))
+    # One int after the (batch, heads, outer blocks, inner blocks + 1) rows: the forward's tile counter
+    # (flash_fwd.cu's FwdTileQueue; zeroed by this pre-pass, read only by the warp-specialized forward).
+    size = batch * heads * max(n_outer, 1) * (n_inner + 1) + (0 if transposed else 1)
+    scratch = (field, (size,))
     fields = ((f"{prefix}_rows", max(n_outer, 1)), (f"{prefix}_stride", n_inner + 1))
     return launch, scratch, fields
 

@@ -99,7 +99,8 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
                          # The general mask's ids read once per row and column (mask.cuh, kByRows) on the warp-
                          # specialized tiles: 8-28 bytes (NVRTC 13.5), against the per-element form's 0 bytes and
                          # 128 id loads per partial tile (session 11; timed in RESULTS.md session 11).
-                         (90, 128, 2, 0): 16, (90, 128, 2, 1): 8, (90, 64, 2, 0): 16, (90, 64, 2, 1): 28}
+                         # Branch fwd-dynamic-tiles: the tile queue moved the D64 one with a score modifier to 44.
+                         (90, 128, 2, 0): 16, (90, 128, 2, 1): 8, (90, 64, 2, 0): 16, (90, 64, 2, 1): 44}
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
 #: 2026-11-21), wgmma vs mma.sync forward over FlashAttention-2: D128 1.26-1.58x vs 1.03-1.11x, D256
@@ -113,12 +114,13 @@ WS_BUCKETS = (64, 128, 256)
 
 
 def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bias: bool = False,
-               mainloop: int = MAINLOOP_SM80) -> int:
+               mainloop: int = MAINLOOP_SM80, queue: bool = False) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each, then with a bias ``stages`` staged bias tiles
     (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh). The warp-specialized
     mainloop adds, where it fits the block's 227 KB, a tile like Q's for staging O, and its mbarriers (Q's
-    full and empty ones, a full and an empty one per K / V slot, 8 bytes each, rounded up to 16). Mirrors
+    full and empty ones, a full and an empty one per K / V slot, 8 bytes each; under the general mask
+    (``queue``) two int slots for the tile queue; rounded up to 16). Mirrors
     ``kSmemBytes`` in the kernel, for both panel layouts (the wgmma one adds no padding: every tile is a
     multiple of 1024 bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against
     ``CUFLASH_CHECK_SMEM_BYTES``)."""
@@ -127,7 +129,7 @@ def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bi
     loads = q_bytes + 2 * stages * block_n * ELEM_BYTES * head_dim_bucket + bias_bytes
     if mainloop != MAINLOOP_SM90_WS:
         return loads
-    barrier_bytes = _cdiv((2 + 4 * stages) * 8, 16) * 16
+    barrier_bytes = _cdiv((2 + 4 * stages) * 8 + (8 if queue else 0), 16) * 16
     separate_o = loads + q_bytes + barrier_bytes <= WS_SMEM_LIMIT
     return loads + (q_bytes if separate_o else 0) + barrier_bytes
 
@@ -330,7 +332,7 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     else:
         block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, mask != 0, is_general(mask) or score_mod != 0,
                                                     has_bias(score_mod))
-    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias, mainloop)
+    smem = smem_bytes(head_dim_bucket, block_m, block_n, stages, bias, mainloop, is_general(mask))
     per_block = arch_caps(arch).smem_per_block
     # The bias tiles on top of a table tile chosen without them: shed K / V stages, then keys, until it fits
     # (A100 D192 128 x 64: 2 stages 184 KB, 1 stage 138 KB; the 99 KB parts' larger head dims).
@@ -366,11 +368,16 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     a head's j-th longest and j-th shortest query blocks, whose key blocks add to about the same for every j;
     the grid is persistent over the pairs, min(pairs, SMs), and the kernel walks pairs whenever it has fewer
     CTAs than tiles (FwdTiles). That pays where tiles are short, up to PAIRED_MAX_QUERY_BLOCKS per head; longer
-    heads keep one CTA per tile (measured below, at PAIRED_MAX_QUERY_BLOCKS)."""
+    heads keep one CTA per tile (measured below, at PAIRED_MAX_QUERY_BLOCKS). Under the general mask (packed
+    sequences too), whose tiles' work only the block lists know, min(tiles, SMs) CTAs take tiles from a queue
+    (an atomic counter after the lists: FwdUnitWalk in cuda_src/cuflash/fwd_mainloop_sm90_ws.cuh; branch
+    fwd-dynamic-tiles, not yet run on a GPU)."""
     tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
     if config.mainloop != MAINLOOP_SM90_WS:
         return tiles
     count = tiles[0] * tiles[1] * tiles[2]
+    if is_general(config.mask):  # packed sequences too: the CTAs take tiles from a queue (FwdUnitWalk)
+        return (max(1, min(count, num_sms)), 1, 1)
     if shape.packed:
         return (count, 1, 1)
     if config.mask == MASK_NONE:
