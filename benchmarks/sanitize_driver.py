@@ -73,6 +73,8 @@ def cases(quick: bool = False) -> list:
             Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
             Case("general mask: window + documents, GQA, block lists", dtype, 2, 150, 211, 4, 2, 64, 64, True,
                  False, False, "window+segments"),
+            Case("general-mask tile queue: 288 tiles on at most the SMs' CTAs, each taking several, documents",
+                 dtype, 12, 300, 300, 8, 2, 128, 128, True, False, False, "segments"),
             Case("block ids + softcap + ALiBi, MQA, deterministic", dtype, 1, 97, 300, 4, 1, 128, 128, False,
                  True, True, "blocks+softcap+alibi"),
             Case("many short documents, D 256", dtype, 1, 260, 260, 2, 1, 256, 256, False, False, False,
