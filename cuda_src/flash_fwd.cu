@@ -75,10 +75,16 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);
             const SeqInfo seq(params, b, h, LayoutOf<kMask>());
             const int row_begin = m_block * kBlockM;
-            if (row_begin >= seq.seqlen_q) continue;
+            if (row_begin >= seq.seqlen_q) {
+                Mainloop::pass_q_producer(smem_q, ring);
+                continue;
+            }
             const typename Cfg::Mask mask(params, seq);
             const typename Cfg::Blocks blocks(mask, m_block);
-            if (blocks.empty()) continue;  // the consumers store it
+            if (blocks.empty()) {  // the consumers store it
+                Mainloop::pass_q_producer(smem_q, ring);
+                continue;
+            }
             const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, 0);
             mainloop.produce(params, seq, ring);
         }
@@ -89,17 +95,21 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
         const int warp_row0 = tid / 32 * Cfg::kWarpRows;
         Mainloop::start_turns(warp_row0);
         FwdUnitWalk<Mainloop> walk(smem_q);
-        for (int u = walk.consumer_first(tiles); u < tiles.units; u = walk.consumer_next(tiles, u))
+        for (int u = walk.consumer_first(tiles, ring); u < tiles.units; u = walk.consumer_next(tiles, ring, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);
             const SeqInfo seq(params, b, h, LayoutOf<kMask>());
             const int row_begin = m_block * kBlockM;
-            if (row_begin >= seq.seqlen_q) continue;
+            if (row_begin >= seq.seqlen_q) {
+                Mainloop::pass_q_consumer(smem_q, ring);
+                continue;
+            }
             const typename Cfg::Mask mask(params, seq);
             const typename Cfg::Blocks blocks(mask, m_block);
             if (blocks.empty()) {  // no row of this block sees any key
                 Epilogue::template store_empty<kBlockM, Mainloop::kConsumerThreads>(params, seq, row_begin, tid);
+                Mainloop::pass_q_consumer(smem_q, ring);
                 continue;
             }
             float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];

@@ -82,24 +82,26 @@ struct FwdWsRing {
 // static stride; with one CTA per unit, its own). Under the general mask (Mainloop::kQueue) a unit's work is
 // known only from its list, so the CTAs take units from a queue instead (FlashAttention-3's dynamic
 // scheduler): producer thread 0 takes the next one with an atomic add on the counter after the lists
-// (fwd_tile_counter, zeroed by their pre-pass), the producer warpgroup meets to read it, and hands it to the
-// consumers through one int of shared memory and two named barriers: full (the producer arrives, the
-// consumers wait) and empty (the consumers arrive once they have read it, and once at the start, so the
-// producer's first wait passes; the producer publishes its loads, then waits before it writes). The consumers read a unit when they
-// start it, so the producer takes the next one (and loads for it) while they work. A unit past the last ends
-// both loops; the consumers do not hand it back, so every barrier phase completes. (Two slots alternating by
-// a unit count cost the D128 consumers 92 + 112 bytes of spill, nvcc 13.0; one slot, none.)
+// (fwd_tile_counter, zeroed by their pre-pass), writes it to one int of shared memory and arrives on the
+// unit_full mbarrier; every consumer thread waits there, reads it and arrives on unit_empty, which thread 0
+// waits for before it writes the next. The consumers read a unit when they start it, so the producer takes
+// the next one (and loads for it) while they work. A unit past the last ends both loops; the consumers do
+// not hand it back. Take k waits for the consumers' reads of unit k - 1. The phase parities come from
+// FwdWsRing::tiles, which under the queue counts every unit on both sides: a unit with no work passes Q's
+// barriers without loading Q (pass_q; a counter of its own cost the D128 consumers 200 bytes of spill, nvcc
+// 13.0). Before it waits the producer publishes its pending loads
+// (Mainloop::flush): the consumers may need the last tile's last V to finish it and read the next unit
+// (session 11 run 15: a skipped unit, with no loads of its own, left that V pending: a deadlock).
+// (Session 12: the first version handed units over on two named barriers, bar.arrive / bar.sync as
+// FlashAttention-3 does; racecheck reported the consumers' read against the producer's next write wherever a
+// unit had no work, so the hand-over uses mbarriers, whose arrive / wait ordering racecheck models.)
 template <typename Mainloop>
 struct FwdUnitWalk {
-    static constexpr int kAll = Mainloop::kProducerThreads + Mainloop::kConsumerThreads;
     unsigned smem;
 
     __device__ __forceinline__ explicit FwdUnitWalk(unsigned smem_) : smem(smem_) {}
 
-    // Producer (every thread of its warpgroup): its first unit, then the one after u. Before it waits for
-    // the consumers, the producer publishes its pending loads (Mainloop::flush): the consumers may need the
-    // last tile's last V to finish it and read the next unit (a skipped unit, with no loads of its own, would
-    // otherwise leave that V pending while the producer waits: a deadlock).
+    // Producer (every thread of its warpgroup): its first unit, then the one after u.
     __device__ __forceinline__ int producer_first(const AttnParams& p, FwdWsRing& ring) const {
         if constexpr (Mainloop::kQueue) {
             return take(p, ring);
@@ -116,18 +118,17 @@ struct FwdUnitWalk {
     }
     // Consumers (every thread): the first unit, then the one after u, as the producer took them.
     template <typename Tiles>
-    __device__ __forceinline__ int consumer_first(const Tiles& tiles) const {
+    __device__ __forceinline__ int consumer_first(const Tiles& tiles, FwdWsRing& ring) const {
         if constexpr (Mainloop::kQueue) {
-            sm90::named_barrier_arrive(Mainloop::kUnitEmptyBarrier, kAll);  // the producer's first wait
-            return receive(tiles.units);
+            return receive(tiles.units, ring);
         } else {
             return int(blockIdx.x);
         }
     }
     template <typename Tiles>
-    __device__ __forceinline__ int consumer_next(const Tiles& tiles, int u) const {
+    __device__ __forceinline__ int consumer_next(const Tiles& tiles, FwdWsRing& ring, int u) const {
         if constexpr (Mainloop::kQueue) {
-            return receive(tiles.units);
+            return receive(tiles.units, ring);
         } else {
             return u + int(gridDim.x);
         }
@@ -136,17 +137,20 @@ struct FwdUnitWalk {
   private:
     __device__ __forceinline__ int take(const AttnParams& p, FwdWsRing& ring) const {
         Mainloop::flush(ring);
-        sm90::named_barrier_sync(Mainloop::kUnitEmptyBarrier, kAll);  // the consumers read the last one
-        if (threadIdx.x == 0) st_shared_b32(Mainloop::unit_slot(smem), unsigned(atomicAdd(fwd_tile_counter(p), 1)));
+        const unsigned slot = Mainloop::unit_slot(smem);
+        sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);  // read the last one
+        if (threadIdx.x == 0) {
+            if (ring.tiles > 0) sm90::mbarrier_wait(Mainloop::unit_empty(smem), (ring.tiles - 1) & 1);
+            st_shared_b32(slot, unsigned(atomicAdd(fwd_tile_counter(p), 1)));
+            sm90::mbarrier_arrive(Mainloop::unit_full(smem));
+        }
         sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);
-        const int taken = int(ld_shared_b32(Mainloop::unit_slot(smem)));
-        sm90::named_barrier_arrive(Mainloop::kUnitFullBarrier, kAll);
-        return taken;
+        return int(ld_shared_b32(slot));
     }
-    __device__ __forceinline__ int receive(int units) const {
-        sm90::named_barrier_sync(Mainloop::kUnitFullBarrier, kAll);
+    __device__ __forceinline__ int receive(int units, FwdWsRing& ring) const {
+        sm90::mbarrier_wait(Mainloop::unit_full(smem), ring.tiles & 1);
         const int taken = int(ld_shared_b32(Mainloop::unit_slot(smem)));
-        if (taken < units) sm90::named_barrier_arrive(Mainloop::kUnitEmptyBarrier, kAll);
+        if (taken < units) sm90::mbarrier_arrive(Mainloop::unit_empty(smem));
         return taken;
     }
 };
@@ -181,9 +185,7 @@ struct FwdMainloopSm90Ws
     static constexpr int kSchedBarrier = 1;  // named barriers 1 .. G: the consumers' turns
     static constexpr int kWarpgroupBarrier = kSchedBarrier + kConsumerWarpgroups;  // next G: one warpgroup's threads
     static constexpr int kProducerBarrier = kWarpgroupBarrier + kConsumerWarpgroups;  // the producer warpgroup's
-    static constexpr int kUnitFullBarrier = kProducerBarrier + 1;   // the tile queue's (FwdUnitWalk)
-    static constexpr int kUnitEmptyBarrier = kUnitFullBarrier + 1;
-    static_assert(kUnitEmptyBarrier < 16, "16 named barriers");
+    static_assert(kProducerBarrier < 16, "16 named barriers");
 
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
@@ -197,9 +199,9 @@ struct FwdMainloopSm90Ws
     // mbarriers: q_full, q_empty, then k_full, v_full, k_empty, v_empty of every slot.
     static constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
     // Under the general mask the producer takes tiles from a queue (FwdUnitWalk) and hands each to the
-    // consumers through an int after the mbarriers.
+    // consumers through two more mbarriers (unit_full, unit_empty) and an int after them.
     static constexpr bool kQueue = is_general_mask(Cfg::kMask);
-    static constexpr int kBarriers = 2 + 4 * kStages;
+    static constexpr int kBarriers = 2 + 4 * kStages + (kQueue ? 2 : 0);
     static constexpr int kBarrierBytes = (kBarriers * sm90::kMbarrierBytes + (kQueue ? 8 : 0) + 15) / 16 * 16;
     static constexpr bool kSeparateO = Loads::kSmemBytes + QTile::kBytes + kBarrierBytes <= kMaxSmemBytes;
     static constexpr int kOffO = Loads::kSmemBytes;
@@ -227,7 +229,9 @@ struct FwdMainloopSm90Ws
     __device__ __forceinline__ unsigned v_full(int r) const { return barrier(this->smem_q, 2 + kStages + r % kStages); }
     __device__ __forceinline__ unsigned k_empty(int r) const { return barrier(this->smem_q, 2 + 2 * kStages + r % kStages); }
     __device__ __forceinline__ unsigned v_empty(int r) const { return barrier(this->smem_q, 2 + 3 * kStages + r % kStages); }
-    // The tile queue's slot (kQueue): the unit the producer took last.
+    // The tile queue's (kQueue): its two mbarriers, then the slot holding the unit the producer took last.
+    static __device__ __forceinline__ unsigned unit_full(unsigned smem) { return barrier(smem, 2 + 4 * kStages); }
+    static __device__ __forceinline__ unsigned unit_empty(unsigned smem) { return barrier(smem, 3 + 4 * kStages); }
     static __device__ __forceinline__ unsigned unit_slot(unsigned smem) {
         return smem + kOffBarriers + kBarriers * sm90::kMbarrierBytes;
     }
@@ -248,6 +252,29 @@ struct FwdMainloopSm90Ws
                 sm90::mbarrier_init(barrier(smem, 2 + 2 * kStages + s), kConsumerThreads);
                 sm90::mbarrier_init(barrier(smem, 2 + 3 * kStages + s), kConsumerThreads);
             }
+            if constexpr (kQueue) {
+                sm90::mbarrier_init(unit_full(smem), 1);
+                sm90::mbarrier_init(unit_empty(smem), kConsumerThreads);
+            }
+        }
+    }
+
+    // Under the queue (kQueue) a unit with no work still takes one phase of Q's barriers, so that
+    // FwdWsRing::tiles counts every unit on both sides (FwdUnitWalk's parities): the producer, once the last
+    // tile's Q is free, arrives on q_full without loading; the consumers wait for it and hand Q back.
+    static __device__ __forceinline__ void pass_q_producer(unsigned smem, FwdWsRing& ring) {
+        if constexpr (kQueue) {
+            flush(ring);
+            if (ring.tiles > 0) sm90::mbarrier_wait(barrier(smem, 1), (ring.tiles - 1) & 1);
+            sm90::mbarrier_arrive(barrier(smem, 0));
+            ring.tiles += 1;
+        }
+    }
+    static __device__ __forceinline__ void pass_q_consumer(unsigned smem, FwdWsRing& ring) {
+        if constexpr (kQueue) {
+            sm90::mbarrier_wait(barrier(smem, 0), ring.tiles & 1);
+            sm90::mbarrier_arrive(barrier(smem, 1));
+            ring.tiles += 1;
         }
     }
 

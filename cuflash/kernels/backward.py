@@ -212,6 +212,17 @@ SPILL_ALLOWANCE: dict = {(90, 128, 0, 1, True): 84,
                          # the dQ-kernel deterministic backward (RESULTS.md, session 10 run 3).
                          (90, 128, 0, 0, True): 128, (90, 128, 1, 0, True): 80,
                          (90, 64, 0, 0, True): 188, (90, 64, 1, 0, True): 112}
+# Session 12: the GPU machine's NVRTC (its ptxas spills as nvcc 13.0 does) spills more than NVRTC 13.5 (CI's)
+# in these; each entry is the larger of the two (the H100's compile log and nvcc 13.0 for sm_80, RESULTS.md
+# session 12 run 3). The general-mask ones (612 / 368 bytes against 13.5's 216 / 188) are the kernels the
+# GPU machine timed; their cost against NVRTC 13.5's is not measured yet.
+for _key, _bytes in {(90, 64, 1, 0, True): 136, (90, 64, 2, 0, True): 612, (90, 64, 2, 0, False): 204,
+                     (90, 64, 4, 0, True): 32, (90, 128, 1, 0, True): 96, (90, 128, 2, 0, True): 368,
+                     (90, 128, 2, 0, False): 140, (90, 128, 3, 2, False): 56, (90, 128, 3, 3, True): 20,
+                     (90, 128, 4, 2, False): 76, (90, 128, 5, 2, False): 132, (80, 64, 5, 3, True): 20,
+                     (80, 128, 4, 3, True): 32}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+del _key, _bytes
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
 #: thread loading; wgmma behind a producer warpgroup (loads and the dQ adds; cuflash/dkdv_mainloop_sm90_ws.cuh).
