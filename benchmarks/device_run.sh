@@ -79,15 +79,17 @@ for stage in "$@"; do
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers|Stall|Issued Warp" "$OUT/ncu_$kernel.txt" | head -20
       done ;;
     fullsuite)
-      # The README's whole test command, which runs longer (~16 min) than one device call may (10 min): started
-      # here in the background, its log under /tmp. Collect it with a second call on the still-warm machine
-      # (within its ~30 s idle release), which waits for the run and copies the log out:
-      #   while kill -0 $(cat /tmp/cuflash-fullsuite.pid) 2>/dev/null; do sleep 5; done;
-      #   cp /tmp/cuflash-fullsuite.log $OUT/; tail -5 $OUT/cuflash-fullsuite.log
-      # (a third call the same way if it is still running when the second ends).
-      nohup python3 -m pytest -q -p no:cacheprovider > /tmp/cuflash-fullsuite.log 2>&1 &
-      echo $! > /tmp/cuflash-fullsuite.pid
-      echo "python -m pytest -q started in the background (pid $(cat /tmp/cuflash-fullsuite.pid)), log /tmp/cuflash-fullsuite.log" ;;
+      # The README's whole test command (7-9 min on an H100 with the kernels precompiled, session 12), which can
+      # outlast the call that starts it: it runs in the background in a copy of the tree (every device call
+      # re-syncs the working tree, and a suite reading cuda_src from it lost its sources mid-run in session 12),
+      # its log under /tmp. Collect it with a second call on the still-warm machine (within its ~30 s idle
+      # release), which waits for it and copies the log out (match the process by its arguments, not with
+      # pgrep -f, whose pattern the call's own command line contains):
+      #   p() { ps -eo pid,args | awk '$2=="python3" && $3=="-m" && $4=="pytest" {print $1}'; }
+      #   while [ -n "$(p)" ]; do sleep 5; done; cp /tmp/cuflash-fullsuite.log $OUT/; tail -5 $OUT/cuflash-fullsuite.log
+      rm -rf /tmp/cuflash-suite && cp -r . /tmp/cuflash-suite && rm -rf /tmp/cuflash-suite/scratch
+      (cd /tmp/cuflash-suite && setsid nohup python3 -m pytest -q -p no:cacheprovider > /tmp/cuflash-fullsuite.log 2>&1 < /dev/null &)
+      echo "python -m pytest -q started in the background in /tmp/cuflash-suite, log /tmp/cuflash-fullsuite.log" ;;
     fuzzlong)
       CUFLASH_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-10000} CUFLASH_FUZZ_REPORT="$OUT/fuzz_count.txt" \
         timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuzz_gpu.py 2>&1 | tee "$OUT/fuzz.log" | tail -15 ;;
