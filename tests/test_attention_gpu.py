@@ -209,6 +209,19 @@ MAINLOOP_PROBLEMS = (
     Problem("fp16", B=12, Sq=1000, Sk=1100, H=4, Hkv=4, D=64, causal=True),
 )
 
+#: The additive bias on every forward mainloop (the warp-specialized one takes it at D64 / D128 since session 13,
+#: its producer copying the staged bias tiles): staged tiles (Sk a multiple of 8) on the persistent grid and under
+#: the tile queue (segment ids), direct reads (odd Sk, a key-broadcast bias), -inf entries and rows, softcap.
+BIAS_MAINLOOP_PROBLEMS = (
+    Problem("bf16", B=3, Sq=300, Sk=264, H=4, Hkv=2, D=128, bias="full"),
+    Problem("fp16", B=2, Sq=333, Sk=517, H=6, Hkv=2, D=128, bias="full", causal=True),
+    Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=2, D=128, bias="neginf", dlse=True),
+    Problem("fp16", B=2, Sq=129, Sk=77, H=4, Hkv=4, D=128, bias="keys", softcap=3.0),
+    Problem("bf16", B=2, Sq=200, Sk=136, H=4, Hkv=1, D=64, bias="heads", segments="docs"),
+    Problem("bf16", B=1, Sq=1000, Sk=520, H=2, Hkv=2, D=64, bias="full", softcap=3.0, causal=True),
+    Problem("fp16", B=4, Sq=65, Sk=300, H=4, Hkv=2, D=64, bias="kv", window=(70, 9)),
+)
+
 
 def own_plan_caches(monkeypatch):
     """Plan caches of the test's own: a patched mainloop choice must neither read nor leave cached plans."""
@@ -238,6 +251,12 @@ def test_every_forward_mainloop(p, mainloop, monkeypatch):
     shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
     assert launch.forward_plan(shape, 0).launches[-1].variant.config.mainloop == kind
     gu.check_attention(p)
+
+
+@pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
+@pytest.mark.parametrize("p", BIAS_MAINLOOP_PROBLEMS, ids=gu.problem_ids(BIAS_MAINLOOP_PROBLEMS))
+def test_bias_on_every_forward_mainloop(p, mainloop, monkeypatch):
+    test_every_forward_mainloop(p, mainloop, monkeypatch)
 
 
 # Every dK/dV mainloop of sm_90a on the same problems (the backward of gu.check_attention), whichever one the

@@ -170,7 +170,11 @@ struct FwdMainloopSm90Ws
     // 16 bytes at 40 (D64), the D256 consumers 12 at 224; 24 / 240 spilled in the producer's copies.
     // With three consumer warpgroups (D64, 192 query rows: FlashAttention-3's tile) 512 threads share 128 each at
     // entry; the hand-over gives 128 x 32 + 384 x 160.
-    static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 160 : Cfg::kHeadDim == 256 ? 232 : 224;
+    // With a staged bias the producer also copies a (128 rows x kBlockN keys) bias tile per step, whose row
+    // addresses ptxas keeps across the step loop: at 56 registers it spilled 92-476 bytes (nvcc 13.0), so
+    // the split is 128 x 72 + 256 x 216 there (4-12 bytes left, the consumers' only outside the key loop).
+    static constexpr int kConsumerRegisters =
+        kConsumerWarpgroups == 3 ? 160 : Cfg::kHeadDim == 256 ? 232 : Cfg::kBias ? 216 : 224;
     static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;  // the launch cap at one block per SM
     // D64 is bound by the exponentials (per warpgroup step 8192 of them, 512 clocks of MUFU.EX2, against 554
     // of wgmma at the tensor pipe's peak): every 8th n-tile's go to the FMA pipe (exp2_fma). H100, session 9,

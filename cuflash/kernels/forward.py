@@ -109,6 +109,13 @@ SPILL_ALLOWANCE: dict = {(90, 128, 3, 1): 64, (80, 64, 3, 3): 48,
 for _key, _bytes in {(90, 64, 0, 0): 56, (90, 64, 3, 3): 48, (90, 128, 4, 0): 160, (90, 128, 5, 0): 168,
                      (90, 128, 5, 1): 184, (90, 128, 5, 3): 56, (80, 64, 4, 2): 52, (80, 128, 5, 0): 8}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 13, the bias on the warp-specialized tiles (ws_fits): the larger of nvcc 13.0 (the GPU machine's
+# ptxas) and NVRTC 13.5. nvcc's SASS puts them in the producer's copies (D128 unmasked 8, D64 unmasked 24) or
+# in the consumers' per-tile setup, outside the key loop (D128 general mask + bias + softcap, 24); the causal
+# D128 bias + softcap variant spills 48 with NVRTC 13.5 only (0 with nvcc 13.0).
+for _key, _bytes in {(90, 128, 0, 2): 8, (90, 128, 0, 3): 8, (90, 128, 1, 3): 48, (90, 128, 2, 3): 24,
+                     (90, 64, 0, 2): 24, (90, 64, 0, 3): 24}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
@@ -116,6 +123,10 @@ del _key, _bytes
 #: 1.46-1.95x vs 0.90-1.08x; D64 0.99-1.13x vs 1.06-1.11x (the 128 x 128 wgmma tile loses at S 1k), so
 #: D64 stays on the mma.sync tile until a better wgmma tile is measured.
 WGMMA_BUCKETS = (128, 256)
+
+#: K / V (and bias) stages of the warp-specialized D128 tile with a bias (128 x 64): 3 fill the block (214 KB
+#: with O's own tile), 2 take 200 KB (session 13's A/B in RESULTS.md).
+BIAS_WS_STAGES = 3
 
 #: Head-dim buckets with a warp-specialized tile (producer warpgroup, two consumer warpgroups in ping-pong);
 #: :func:`ws_fits` says which variants take it. Not measured yet against the 8-warp one (2026-11-23, session 7).
@@ -278,13 +289,21 @@ def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE
         # nvcc 13.0: no spill in the key loop (the unmasked one spills 24 + 32 bytes per tile, outside it); the
         # general mask and the score modifiers spilled 120-676 bytes at 160 registers and keep two.
         return 192, 128, 12, 3
+    if head_dim_bucket == 64 and bias:
+        # The producer copies a bias tile per step too: 128 keys (16 copies of 16 bytes per producer thread and
+        # step) spilled 244-404 bytes there even at 72 registers, 64 keys none. Q 16 KB + 3 x (K + V) 48 KB +
+        # 3 bias tiles 54 KB + O 16 KB = 134 KB.
+        return 128, 64, 8, 3
     if head_dim_bucket == 64:
         # acc 32 + S 64 + P 32: 128 keys. Q 16 KB + 3 x (K + V) 96 KB = 112 KB.
         return 128, 128, 8, 3
+    if head_dim_bucket == 128 and bias:
+        # The bias on 64 keys, as the 8-warp wgmma mainloop (its pairs, hoisted ahead of the softmax, spilled
+        # there with 128). Q 32 KB + BIAS_WS_STAGES x (K + V 32 KB + bias 36 KB) + O 32 KB.
+        return 128, 64, 8, BIAS_WS_STAGES
     if head_dim_bucket == 128:
-        # As the 8-warp wgmma mainloop (the bias on 64 keys, whose pairs ptxas hoists ahead of the softmax).
         # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).
-        return (128, 64, 8, 2) if bias else (128, 128, 8, 2)
+        return 128, 128, 8, 2
     if head_dim_bucket == 256:
         # acc 128 + S 32 + P 16: 64 keys. Q 64 KB + 2 x (K + V) 128 KB = 192 KB.
         return 128, 64, 8, 2
@@ -311,15 +330,17 @@ def default_mainloop(arch: int, head_dim_bucket: int, mask: int = 0, score_mod: 
 
 def ws_fits(head_dim_bucket: int, mask: int, score_mod: int) -> bool:
     """Whether the warp-specialized variant compiles without spills in its loops (ptxas 13.0 / NVRTC 13.5,
-    sm_90a, session 7): the plain, causal and general (window / ids) masks with softcap / ALiBi or nothing, at
-    D64 and D128; at D256 the plain and causal masks without a modifier (the plain one spills 4 bytes in the
-    producer, once per tile). The rest spilled: a staged bias 136-1104 bytes (its tile addressing on top of
-    the accumulators), the bool mask and dropout 8-156, D256 with the general mask or a modifier 4-148."""
+    sm_90a, session 7): the plain, causal and general (window / ids) masks with any score modifier at D64 and
+    D128; at D256 the plain and causal masks without a modifier (the plain one spills 4 bytes in the producer,
+    once per tile). The bias joined in session 13, once the producer kept 72 registers for its bias copies
+    (the consumers' 216 hold the bias reads without a spill in the key loop; at 56 the producer had spilled
+    92-476 bytes, which session 7 counted against the whole variant). The rest spilled: the bool mask and
+    dropout 8-156, D256 with the general mask or a modifier 4-148."""
     if head_dim_bucket not in WS_BUCKETS or mask not in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL):
         return False
     if head_dim_bucket == 256:
         return mask in (MASK_NONE, MASK_CAUSAL) and score_mod == MOD_NONE
-    return score_mod in (MOD_NONE, MOD_SOFTCAP_ALIBI)
+    return score_mod in SCORE_MODS
 
 
 def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0,
