@@ -124,8 +124,8 @@ del _key, _bytes
 #: D64 stays on the mma.sync tile until a better wgmma tile is measured.
 WGMMA_BUCKETS = (128, 256)
 
-#: K / V (and bias) stages of the warp-specialized D128 tile with a bias (128 x 64): 3 fill the block (214 KB
-#: with O's own tile), 2 take 200 KB (session 13's A/B in RESULTS.md).
+#: K / V (and bias) stages of the warp-specialized D128 tile with a bias (128 x 64): 3 take 214 KB with O's own
+#: tile, 2 take 164 KB; 3 ran the bias forward 5-15% faster (session 13 run 1, RESULTS.md).
 BIAS_WS_STAGES = 3
 
 #: Head-dim buckets with a warp-specialized tile (producer warpgroup, two consumer warpgroups in ping-pong);
@@ -299,7 +299,7 @@ def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE
         return 128, 128, 8, 3
     if head_dim_bucket == 128 and bias:
         # The bias on 64 keys, as the 8-warp wgmma mainloop (its pairs, hoisted ahead of the softmax, spilled
-        # there with 128). Q 32 KB + BIAS_WS_STAGES x (K + V 32 KB + bias 36 KB) + O 32 KB.
+        # there with 128). Q 32 KB + BIAS_WS_STAGES x (K + V 32 KB + bias 18 KB) + O 32 KB.
         return 128, 64, 8, BIAS_WS_STAGES
     if head_dim_bucket == 128:
         # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).
