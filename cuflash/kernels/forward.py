@@ -125,7 +125,8 @@ del _key, _bytes
 WGMMA_BUCKETS = (128, 256)
 
 #: K / V (and bias) stages of the warp-specialized D128 tile with a bias (128 x 64): 3 take 214 KB with O's own
-#: tile, 2 take 164 KB; 3 ran the bias forward 5-15% faster (session 13 run 1, RESULTS.md).
+#: tile, 2 take 164 KB; 3 ran the unmasked bias forward 7-16% faster and the causal one as fast (session 13
+#: run 1, RESULTS.md).
 BIAS_WS_STAGES = 3
 
 #: Head-dim buckets with a warp-specialized tile (producer warpgroup, two consumer warpgroups in ping-pong);
