@@ -159,37 +159,88 @@ struct BiasView<Elem, true> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) { return __float2bfloat16_rn(x); }
 };
 
+// Two rows of dbias, queries q and q + 1 against keys [c * 8, c * 8 + 8) of the tile, from w[k] = the dS^T
+// word of key c * 8 + k (query q in its low half, q + 1 in its high half): one 16-byte store per row where the
+// row allows, else element by element. rows / cols: the tile's rows and keys inside the sequence.
+template <typename Elem>
+__device__ __forceinline__ void store_dbias_pair(Elem* base, const AttnParams& p, int query0, int key0, int q, int c,
+                                                 int rows, int cols, const unsigned (&w)[8]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (q + half >= rows) break;
+        const unsigned sel = half ? 0x7632u : 0x5410u;  // the high or the low halves of two words
+        const uint4 packed = make_uint4(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel),
+                                        __byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel));
+        Elem* dst = base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8;
+        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+            *reinterpret_cast<uint4*>(dst) = packed;
+        } else {
+            const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                if (c * 8 + e < cols) {
+                    reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
+                }
+            }
+        }
+    }
+}
+
 // dbias rows [query0, query0 + kQueries) x keys [key0, key0 + kKeys) of (b, h) from the dK/dV kernel's dS^T
-// tile in shared memory (TileP: [key][query] of Elem, swizzled, the atomic dQ step's operand): a thread
-// gathers 8 keys of one query and writes them with one 16-byte store where the row allows (else element
-// by element), consecutive threads along the keys of a row. For a bias with one element per score, no
-// softcap (the tile holds dS before any modifier factor only then), dbias_col_stride == 1; the caller has
-// made the tile visible (a barrier).
+// tile in shared memory (TileP: [key][query] of Elem, swizzled, the atomic dQ step's operand), for a bias
+// with one element per score, no softcap (the tile holds dS before any modifier factor only then),
+// dbias_col_stride == 1; the caller has made the tile visible (a barrier).
+// A lane takes a pair of queries and 8 keys: 8 32-bit reads (a key row each, both queries' halves), then a
+// 16-byte store per query row (store_dbias_pair). Which lanes share a read:
+//   wide panels (the 128-byte swizzle, f(row) = row % 8): a warp takes 8 queries x 64 keys, lane = (chunk
+//     cl = lane / 4, pair lane % 4), and lane cl reads its rows rotated by cl (read e: key cl * 8 + (e + cl)
+//     % 8), so each read's 32 lanes see 8 different swizzle terms x 4 words: 32 distinct banks; a register
+//     rotation puts the keys back in order, and each store writes 4 query rows x 128 contiguous bytes;
+//   narrow panels: a warp takes 32 query pairs of one chunk (the word moves with the query; rows c * 8 + e
+//     of different chunks share their swizzle term), at most 2 lanes per bank.
+// The first form (a lane per query and chunk, reads element by element) had 16 lanes on one bank in every
+// read: 4096 shared-memory wavefronts per 64 x 128 step, against 128 here.
 template <typename Elem, typename TileP, int kThreads>
 __device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int h, int query0, int key0, unsigned s_ds,
                                                  int tid) {
-    constexpr int kKeys = TileP::kRows, kQueries = TileP::kCols, kChunks = kKeys / 8;
-    static_assert(sizeof(Elem) == 2 && kKeys % 8 == 0, "16-bit tiles of whole 8-key chunks");
+    constexpr int kKeys = TileP::kRows, kQueries = TileP::kCols, kChunks = kKeys / 8, kPairs = kQueries / 2;
+    static_assert(sizeof(Elem) == 2 && kKeys % 8 == 0 && kQueries % 2 == 0, "16-bit tiles of whole 8-key chunks");
     Elem* base = static_cast<Elem*>(p.dbias) + b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
     const int rows = p.seqlen_q - query0, cols = p.seqlen_k - key0;
-    for (int i = tid; i < kQueries * kChunks; i += kThreads) {
-        const int q = i / kChunks, c = i % kChunks;
-        if (q >= rows || c * 8 >= cols) continue;
-        unsigned short v[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + e, q)));
-        }
-        Elem* dst = base + (query0 + q) * p.dbias_row_stride + key0 + c * 8;
-        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-            const uint4 packed = make_uint4(v[0] | (unsigned(v[1]) << 16), v[2] | (unsigned(v[3]) << 16),
-                                            v[4] | (unsigned(v[5]) << 16), v[6] | (unsigned(v[7]) << 16));
-            *reinterpret_cast<uint4*>(dst) = packed;
-        } else {
+    if constexpr (TileP::kGroup == 8 && kChunks % 8 == 0 && kQueries % 8 == 0) {
+        constexpr int kItems = (kQueries / 8) * (kChunks / 8);  // (8 queries x 64 keys) per warp
+        const int lane = tid % 32, cl = lane / 4;
+#pragma unroll 1
+        for (int item = tid / 32; item < kItems; item += kThreads / 32) {
+            const int q = item % (kQueries / 8) * 8 + 2 * (lane % 4), c = item / (kQueries / 8) * 8 + cl;
+            if (q >= rows || c * 8 >= cols) continue;
+            unsigned w[8];  // read e: key c * 8 + (e + cl) % 8
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                if (c * 8 + e < cols) reinterpret_cast<unsigned short*>(dst)[e] = v[e];
+                asm volatile("ld.shared.b32 %0, [%1];\n"
+                             : "=r"(w[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + ((e + cl) & 7), q)));
             }
+#pragma unroll
+            for (int bit = 1; bit < 8; bit *= 2) {  // rotate by cl: w[k] = key c * 8 + k
+                unsigned t[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) t[k] = (cl & bit) ? w[(k - bit) & 7] : w[k];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) w[k] = t[k];
+            }
+            store_dbias_pair(base, p, query0, key0, q, c, rows, cols, w);
+        }
+    } else {
+#pragma unroll 1
+        for (int i = tid; i < kPairs * kChunks; i += kThreads) {
+            const int q = 2 * (i % kPairs), c = i / kPairs;
+            if (q >= rows || c * 8 >= cols) continue;
+            unsigned w[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + e, q)));
+            }
+            store_dbias_pair(base, p, query0, key0, q, c, rows, cols, w);
         }
     }
 }
