@@ -57,10 +57,58 @@ struct DkdvEpilogue {
         const SeqInfo seq(params, b, opaque(group) * heads, LayoutOf<Cfg::kMask>());
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
-            store_rows(DirectStore<typename Cfg::Elem>(params, seq), params, seq, r, row_lo, acc_dk, acc_dv);
+            const DirectStore<typename Cfg::Elem> out(params, seq);
+            store_wide(out.dk, out.dk_stride, params.head_dim, seq.seqlen_k, r, row_lo, acc_dk, params.scale);
+            store_wide(out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k, r, row_lo, acc_dv, 1.f);
         } else {
             const PartialStore<Cfg::kHeadDim> out(params, seq, group);
             store_rows(out, params, seq, r, row_lo, acc_dk, acc_dv);
+        }
+    }
+
+    // One of dK (x scale) / dV into Elem rows with 16-byte stores. Per pair of n-tiles (16 columns, adjacent
+    // in both mainloops' col0) a quad's lanes hold rows lo / hi x their 2 columns of each n-tile; three
+    // shuffle rounds (lane t gets from lane t ^ m the pair it needs) leave lane t all 8 columns of row
+    // (t >= 2 ? hi : lo) in n-tile 2p + (t & 1). A warp's store then covers 16 rows x 32 bytes, whole sectors,
+    // where the fragment's 4-byte stores covered 8 rows x 16 bytes per instruction, four times as many (ncu,
+    // session 14: the 4-byte stores held ~13% of the stall samples of the document-mask dK/dV kernel, whose
+    // CTAs run few steps). head_dim is a multiple of 8 (validation), so an n-tile is wholly in or out.
+    static __device__ __forceinline__ void store_wide(typename Cfg::Elem* base, long long stride, int cols,
+                                                      int seqlen_k, const typename Mainloop::Role& r, int row_lo,
+                                                      const float (&acc)[kDTiles][4], float scale) {
+        static_assert(kDTiles % 2 == 0, "n-tiles in adjacent pairs");
+        using Elem = typename Cfg::Elem;
+        const int t = r.t;
+        const int row = row_lo + (t >> 1) * 8;
+#pragma unroll
+        for (int p = 0; p < kDTiles / 2; ++p) {
+            unsigned v[4];  // v[2 * half + j]: row lo / hi (half), n-tile 2p + j, this lane's 2 columns
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                v[k] = ElemTraits<Elem>::pack2(acc[2 * p + (k & 1)][2 * (k >> 1)] * scale,
+                                               acc[2 * p + (k & 1)][2 * (k >> 1) + 1] * scale);
+            }
+            const auto pick = [&](int k) { return (k & 2) ? ((k & 1) ? v[3] : v[2]) : ((k & 1) ? v[1] : v[0]); };
+            unsigned got[4];  // got[s]: lane s's 2 columns of this lane's (row, n-tile)
+            got[0] = pick(t);
+#pragma unroll
+            for (int m = 1; m < 4; ++m) got[m] = __shfl_xor_sync(0xffffffffu, pick(t ^ m), m);
+            unsigned w[4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const int m = s ^ t;
+                w[s] = (m & 2) ? ((m & 1) ? got[3] : got[2]) : ((m & 1) ? got[1] : got[0]);
+            }
+            const int col = Mainloop::col0(2 * p + (t & 1), r.d_split);
+            if (row < seqlen_k && col < cols) {
+                Elem* dst = base + row * stride + col;
+                if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+                } else {
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) reinterpret_cast<unsigned*>(dst)[s] = w[s];
+                }
+            }
         }
     }
 
