@@ -1,9 +1,9 @@
 // Backward epilogues, for every backward mainloop:
 //   DkdvEpilogue   dK (scaled) and dV of a key block from the C-fragment layout of DkdvRole, under one of
-//                  two store policies: DirectStore (bshd Elem gradients: MHA) or PartialStore (fp32
-//                  per-query-head partials, (B, H, Sk, kHeadDim) contiguous, summed per GQA group by
-//                  reduce_dkdv_rows in a fixed order);
-//   DqEpilogue     dQ (scaled) of the deterministic dQ kernel, from registers;
+//                  two store policies: DirectStore (bshd Elem gradients: MHA; 16-byte stores after a quad
+//                  shuffle, store_c_rows_wide) or PartialStore (fp32 per-query-head partials, (B, H, Sk,
+//                  kHeadDim) contiguous, summed per GQA group by reduce_dkdv_rows in a fixed order);
+//   DqEpilogue     dQ (scaled) of the deterministic dQ kernel, from registers (store_c_rows_wide);
 //   convert_dq_rows  dq = scale * dq_accum (the atomic dQ path's last step).
 // Rows past Sq / Sk and columns past D / Dv are never stored.
 #pragma once
@@ -13,7 +13,53 @@
 
 namespace cuflash {
 
-// dK / dV rows straight into the Elem outputs.
+// Rows of a C-fragment tile (the thread's rows row_lo and row_lo + 8, columns 2t, 2t + 1 of each 8-column
+// n-tile at col_of(nt)) times scale into Elem rows base[row * stride + col], with 16-byte stores; rows >=
+// rows_end and n-tiles at or past `cols` are not stored. Per pair of n-tiles (adjacent: col_of(2p + 1) =
+// col_of(2p) + 8 in every backward mainloop) a quad's lanes hold rows lo / hi x their 2 columns of each; three
+// shuffle rounds (lane t gets from lane t ^ m the pair it needs) leave lane t all 8 columns of row (t >= 2 ?
+// hi : lo) in n-tile 2p + (t & 1). A warp's store then covers 16 rows x 32 bytes, whole sectors, where 4-byte
+// stores of the fragment covered 8 rows x 16 bytes per instruction, four times as many (ncu, session 14:
+// those held ~13% of the stall samples of the document-mask dK/dV kernel, whose CTAs run few steps). The
+// head dim is a multiple of 8 (validation), so an n-tile is wholly in or out. The whole warp calls it.
+template <typename Elem, int kNT, typename ColOf>
+__device__ __forceinline__ void store_c_rows_wide(Elem* base, long long stride, int cols, int rows_end, int row_lo,
+                                                  int t, const float (&acc)[kNT][4], float scale, ColOf col_of) {
+    static_assert(kNT % 2 == 0 && sizeof(Elem) == 2, "16-bit n-tiles in adjacent pairs");
+    const int row = row_lo + (t >> 1) * 8;
+#pragma unroll
+    for (int p = 0; p < kNT / 2; ++p) {
+        unsigned v[4];  // v[2 * half + j]: row lo / hi (half), n-tile 2p + j, this lane's 2 columns
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = ElemTraits<Elem>::pack2(acc[2 * p + (k & 1)][2 * (k >> 1)] * scale,
+                                           acc[2 * p + (k & 1)][2 * (k >> 1) + 1] * scale);
+        }
+        const auto pick = [&](int k) { return (k & 2) ? ((k & 1) ? v[3] : v[2]) : ((k & 1) ? v[1] : v[0]); };
+        unsigned got[4];  // got[m]: lane t ^ m's 2 columns of this lane's (row, n-tile)
+        got[0] = pick(t);
+#pragma unroll
+        for (int m = 1; m < 4; ++m) got[m] = __shfl_xor_sync(0xffffffffu, pick(t ^ m), m);
+        unsigned w[4];  // w[s]: columns 2s, 2s + 1 of the n-tile
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int m = s ^ t;
+            w[s] = (m & 2) ? ((m & 1) ? got[3] : got[2]) : ((m & 1) ? got[1] : got[0]);
+        }
+        const int col = col_of(2 * p + (t & 1));
+        if (row < rows_end && col < cols) {
+            Elem* dst = base + row * stride + col;
+            if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+            } else {
+#pragma unroll
+                for (int s = 0; s < 4; ++s) reinterpret_cast<unsigned*>(dst)[s] = w[s];
+            }
+        }
+    }
+}
+
+// Where dK / dV rows go straight into the Elem outputs (stored by store_c_rows_wide).
 template <typename Elem>
 struct DirectStore {
     Elem* dk;
@@ -21,12 +67,6 @@ struct DirectStore {
     long long dk_stride, dv_stride;
     __device__ __forceinline__ DirectStore(const AttnParams& p, const SeqInfo& seq)
         : dk(seq.dk<Elem>(p)), dv(seq.dv<Elem>(p)), dk_stride(p.dk_row_stride), dv_stride(p.dv_row_stride) {}
-    __device__ __forceinline__ void store_dk(int row, int col, float x, float y) const {
-        *reinterpret_cast<unsigned*>(dk + row * dk_stride + col) = ElemTraits<Elem>::pack2(x, y);
-    }
-    __device__ __forceinline__ void store_dv(int row, int col, float x, float y) const {
-        *reinterpret_cast<unsigned*>(dv + row * dv_stride + col) = ElemTraits<Elem>::pack2(x, y);
-    }
 };
 
 // dK / dV rows into fp32 partial `slot` of the sequence (row width kWidth).
@@ -58,57 +98,13 @@ struct DkdvEpilogue {
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
             const DirectStore<typename Cfg::Elem> out(params, seq);
-            store_wide(out.dk, out.dk_stride, params.head_dim, seq.seqlen_k, r, row_lo, acc_dk, params.scale);
-            store_wide(out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k, r, row_lo, acc_dv, 1.f);
+            const auto col_of = [&](int nt) { return Mainloop::col0(nt, r.d_split); };
+            store_c_rows_wide(out.dk, out.dk_stride, params.head_dim, seq.seqlen_k, row_lo, r.t, acc_dk, params.scale,
+                              col_of);
+            store_c_rows_wide(out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k, row_lo, r.t, acc_dv, 1.f, col_of);
         } else {
             const PartialStore<Cfg::kHeadDim> out(params, seq, group);
             store_rows(out, params, seq, r, row_lo, acc_dk, acc_dv);
-        }
-    }
-
-    // One of dK (x scale) / dV into Elem rows with 16-byte stores. Per pair of n-tiles (16 columns, adjacent
-    // in both mainloops' col0) a quad's lanes hold rows lo / hi x their 2 columns of each n-tile; three
-    // shuffle rounds (lane t gets from lane t ^ m the pair it needs) leave lane t all 8 columns of row
-    // (t >= 2 ? hi : lo) in n-tile 2p + (t & 1). A warp's store then covers 16 rows x 32 bytes, whole sectors,
-    // where the fragment's 4-byte stores covered 8 rows x 16 bytes per instruction, four times as many (ncu,
-    // session 14: the 4-byte stores held ~13% of the stall samples of the document-mask dK/dV kernel, whose
-    // CTAs run few steps). head_dim is a multiple of 8 (validation), so an n-tile is wholly in or out.
-    static __device__ __forceinline__ void store_wide(typename Cfg::Elem* base, long long stride, int cols,
-                                                      int seqlen_k, const typename Mainloop::Role& r, int row_lo,
-                                                      const float (&acc)[kDTiles][4], float scale) {
-        static_assert(kDTiles % 2 == 0, "n-tiles in adjacent pairs");
-        using Elem = typename Cfg::Elem;
-        const int t = r.t;
-        const int row = row_lo + (t >> 1) * 8;
-#pragma unroll
-        for (int p = 0; p < kDTiles / 2; ++p) {
-            unsigned v[4];  // v[2 * half + j]: row lo / hi (half), n-tile 2p + j, this lane's 2 columns
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                v[k] = ElemTraits<Elem>::pack2(acc[2 * p + (k & 1)][2 * (k >> 1)] * scale,
-                                               acc[2 * p + (k & 1)][2 * (k >> 1) + 1] * scale);
-            }
-            const auto pick = [&](int k) { return (k & 2) ? ((k & 1) ? v[3] : v[2]) : ((k & 1) ? v[1] : v[0]); };
-            unsigned got[4];  // got[s]: lane s's 2 columns of this lane's (row, n-tile)
-            got[0] = pick(t);
-#pragma unroll
-            for (int m = 1; m < 4; ++m) got[m] = __shfl_xor_sync(0xffffffffu, pick(t ^ m), m);
-            unsigned w[4];
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                const int m = s ^ t;
-                w[s] = (m & 2) ? ((m & 1) ? got[3] : got[2]) : ((m & 1) ? got[1] : got[0]);
-            }
-            const int col = Mainloop::col0(2 * p + (t & 1), r.d_split);
-            if (row < seqlen_k && col < cols) {
-                Elem* dst = base + row * stride + col;
-                if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-                } else {
-#pragma unroll
-                    for (int s = 0; s < 4; ++s) reinterpret_cast<unsigned*>(dst)[s] = w[s];
-                }
-            }
         }
     }
 
@@ -144,22 +140,8 @@ struct DqEpilogue {
     static __device__ __forceinline__ void store(const AttnParams& params, const SeqInfo& seq,
                                                  const float (&acc_dq)[kDTiles][4], int query0, int row0, int g, int t,
                                                  ColOf col_of) {
-        Elem* dq = seq.dq<Elem>(params);
-        const float scale = params.scale;
-#pragma unroll
-        for (int nt = 0; nt < kDTiles; ++nt) {
-            const int c0 = col_of(nt);
-            if (c0 >= params.head_dim) continue;
-            const int col = c0 + 2 * t;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = query0 + row0 + g + half * 8;
-                if (row < seq.seqlen_q) {
-                    *reinterpret_cast<unsigned*>(dq + row * params.dq_row_stride + col) = ElemTraits<Elem>::pack2(
-                        acc_dq[nt][2 * half] * scale, acc_dq[nt][2 * half + 1] * scale);
-                }
-            }
-        }
+        store_c_rows_wide(seq.dq<Elem>(params), params.dq_row_stride, params.head_dim, seq.seqlen_q,
+                          query0 + row0 + g, t, acc_dq, params.scale, col_of);
     }
 };
 
