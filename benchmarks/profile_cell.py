@@ -7,8 +7,8 @@ profiled ones, each kernel once per call. With ncu, skip the warm-up launches:
 
     python3 benchmarks/profile_cell.py CELL [--warmup 2] [--calls 1] [--deterministic] [--forward-only]
 (`python -m cuflash bench --list` names the cells.) CELL may also be a features case (benchmarks/features.py:
-its name or a regex of it, e.g. ``doc``, ``window``, ``bias``), run with that case's options (ids, window,
-bias: random normal, seed 7).
+its name or a regex of it, e.g. ``doc``, ``window``, ``bias``), run with the inputs and options the features
+bench gives cuflash.
 """
 import argparse
 import sys
@@ -58,30 +58,18 @@ def main() -> int:
 
 
 def _feature_case(pattern: str):
-    """(name, (q, k, v, dout), options) of the first features case matching ``pattern``, bf16, or None."""
-    import cupy
-    import ml_dtypes
-    import numpy as np
-
+    """(name, (q, k, v, dout), options) of the first features case matching ``pattern``: the inputs, ids and
+    bias the features bench gives cuflash (bench.make_inputs, features.CaseData), or None."""
     import features
 
     matches = features.select_cases(pattern)
     if not matches:
         return None
     case = matches[0]
-    rng = np.random.default_rng(7)
-    bf16 = cupy.dtype(ml_dtypes.bfloat16)
-
-    def normal(*shape):
-        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(bf16)
-
-    q, dout = normal(case.B, case.S, case.H, case.D), normal(case.B, case.S, case.H, case.D)
-    k, v = normal(case.B, case.S, case.Hkv, case.D), normal(case.B, case.S, case.Hkv, case.D)
-    segment, block = features.host_ids(case)
-    ids = [None if a is None else cupy.asarray(np.ascontiguousarray(a)) for a in (segment, block)]
-    bias = normal(case.B, case.H, case.S, case.S) if case.bias else None
-    return case.name, (q, k, v, dout), features.cuflash_options(case, *ids, bias=bias)
-
+    x = bench.make_inputs(case, None)
+    data = features.CaseData(case, x, None)
+    options = features.cuflash_options(case, *data.cupy_ids(), bias=data.bias() if case.bias else None)
+    return case.name, (x.cq, x.ck, x.cv, x.cdout), options
 
 if __name__ == "__main__":
     sys.exit(main())
