@@ -4,7 +4,8 @@
 
 Cells (bf16, one query token per sequence, a full cache, GQA H32 / Hkv8, D128): B64 L8k and B1 L128k (the
 issue's two), cuflash dense and paged (page 16 and 256), with split-KV by its heuristic; also a chunked-prefill
-cell (B4, 512 new tokens over 8k cached, causal bottom-right, also in useful TFLOPS). "paged equals dense"
+cell (B4, 512 new tokens over 8k cached, causal bottom-right, also in useful TFLOPS), and the two decode cells in
+float32 (cuflash's SIMT kernel; of the peers only SDPA's memory-efficient backend takes float32). "paged equals dense"
 compares the paged call's output with the dense cache's at the same split count. The peers take the dense
 cache as (B, Hkv, L, D) with ``enable_gqa=True`` (prefill: ``causal_lower_right``). GB/s counts the cache's K and V bytes once (B x L x Hkv x D x 2 x 2), what a decoding
 step must read; the device-to-device copy rate of a 2 GB buffer is the ceiling printed beside them.
@@ -62,21 +63,24 @@ def main(argv=None) -> int:
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     del copy_src, copy_dst
 
-    cells = [("decode B64 H32/8 L8k D128", 64, 8192, 1, 0), ("decode B1 H32/8 L128k D128", 1, 131072, 1, 0),
-             ("prefill-chunk B4 H32/8 L8k+512 D128 causal", 4, 8192 + 512, 512, 512)]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cells = [("decode B64 H32/8 L8k D128", 64, 8192, 1, 0, bf16), ("decode B1 H32/8 L128k D128", 1, 131072, 1, 0, bf16),
+             ("prefill-chunk B4 H32/8 L8k+512 D128 causal", 4, 8192 + 512, 512, 512, bf16),
+             ("float32 decode B64 H32/8 L8k D128", 64, 8192, 1, 0, fp32),
+             ("float32 decode B1 H32/8 L128k D128", 1, 131072, 1, 0, fp32)]
     H, Hkv, D = 32, 8, 128
-    for name, B, L, Sq, snew in cells:
+    for name, B, L, Sq, snew, dtype in cells:
         cached = L - snew
-        kv_bytes = 2 * B * L * Hkv * D * 2
-        k = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * B * L * Hkv * D * dtype.itemsize
+        k = torch.randn(B, L, Hkv, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, L, Hkv, D, device="cuda", dtype=dtype)
+        q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype)
         k_new = v_new = None
         if snew:
-            k_new = torch.randn(B, snew, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            v_new = torch.randn(B, snew, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            k_new = torch.randn(B, snew, Hkv, D, device="cuda", dtype=dtype)
+            v_new = torch.randn(B, snew, Hkv, D, device="cuda", dtype=dtype)
         lengths = torch.full((B,), cached, dtype=torch.int32, device="cuda")
-        out = torch.empty(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(B, Sq, H, D, device="cuda", dtype=dtype)
         causal = Sq > 1
         row = {"GB": kv_bytes / 1e9}
 
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
             pages = B * L // page
             perm = torch.randperm(pages, device="cuda").to(torch.int32)
             table = perm.reshape(B, L // page)
-            k_paged = torch.empty(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            k_paged = torch.empty(pages, page, Hkv, D, device="cuda", dtype=dtype)
             v_paged = torch.empty_like(k_paged)
             k_paged[perm.long()] = k.reshape(pages, page, Hkv, D)
             v_paged[perm.long()] = v.reshape(pages, page, Hkv, D)

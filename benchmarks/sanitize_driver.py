@@ -98,17 +98,17 @@ def cases(quick: bool = False) -> list:
             Case("dropout + bool mask + full bias, D 128, deterministic", dtype, 1, 130, 150, 2, 1, 128, 128, False, True,
                  False, "dropout+mask+bias"),
         ]
-        if dtype != "float32":
-            per_dtype += [
-                Case("kvcache: decode, GQA 8, split, dense", dtype, 3, 1, 200, 16, 2, 128, 128, True, False, False,
-                     "kvcache+split"),
-                Case("kvcache: chunked prefill, paged (13 rows), window + ALiBi", dtype, 2, 37, 260, 4, 2, 64, 64,
-                     True, False, False, "kvcache+paged+window+alibi"),
-                Case("kvcache: decode, paged (13 rows), split, D 256 MQA", dtype, 2, 1, 520, 8, 1, 256, 256, False,
-                     False, False, "kvcache+paged+split"),
-                Case("kvcache: chunked prefill on the 128-row tile (>= 256 rows per kv head), paged (13 rows), GQA",
-                     dtype, 2, 130, 390, 4, 2, 128, 128, True, False, False, "kvcache+paged"),
-            ]
+        per_dtype += [  # float32: the KV cache's SIMT kernel (flash_kvcache_simt.cu)
+            Case("kvcache: decode, GQA 8, split, dense", dtype, 3, 1, 200, 16, 2, 128, 128, True, False, False,
+                 "kvcache+split"),
+            Case("kvcache: chunked prefill, paged (13 rows), window + ALiBi", dtype, 2, 37, 260, 4, 2, 64, 64,
+                 True, False, False, "kvcache+paged+window+alibi"),
+            Case("kvcache: decode, paged (13 rows), split, D 256 MQA", dtype, 2, 1, 520, 8, 1, 256, 256, False,
+                 False, False, "kvcache+paged+split"),
+            Case("kvcache: chunked prefill on the prefill tile (16-bit: 128 rows from 256 per kv head; float32: "
+                 "the SIMT forward's), paged (13 rows), GQA",
+                 dtype, 2, 130, 390, 4, 2, 128, 128, True, False, False, "kvcache+paged"),
+        ]
         out += per_dtype[:2] + [c for c in per_dtype if c.options] if quick else per_dtype
     return out
 

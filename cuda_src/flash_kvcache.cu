@@ -15,10 +15,15 @@
 
 namespace cuflash {
 
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kScoreMod>
+// kPanelCols: the K / V / Q tiles' panels (cuflash/tile.cuh), 64 columns (wide: rows of whole 128-byte lines)
+// or 32 (narrow, the forward's). Wide, each warp's copies fill whole shared lines and L2 serves them in half the
+// requests of narrow panels' 64-byte pieces: the decoding tiles (D128 decode on an H100: L2 requests 33.6M ->
+// 16.8M, cuDNN's count; DRAM 87% -> 91% of peak, session 15). The plan picks it (cuflash/kernels/kvcache.py).
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kScoreMod,
+          int kPanelCols>
 __global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnParams params) {
     using Cfg = KvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod>;
-    using Mainloop = FwdMainloopSm80<Cfg, KvLoads<Cfg, NarrowTile<kBlockN, kHeadDim>, kStages>>;
+    using Mainloop = FwdMainloopSm80<Cfg, KvLoads<Cfg, SwizzledTile<kBlockN, kHeadDim, kPanelCols>, kStages>>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -33,12 +38,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnP
 
     const KvMask mask(params, seq);
     typename Cfg::Blocks blocks(mask, m_block);
-    if (params.num_splits > 1) {  // this split's share of the visible key blocks
-        const int per_split = ceil_div(blocks.count(), params.num_splits);
-        const int begin = blocks.n_begin + split * per_split;
-        blocks.n_end = min(blocks.n_end, begin + per_split);
-        blocks.n_begin = min(begin, blocks.n_end);
-    }
+    take_split(blocks, params.num_splits, split);
 
     float acc_o[Cfg::kMTiles][Cfg::kDTiles][4];
     clear(acc_o);

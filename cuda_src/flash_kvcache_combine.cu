@@ -27,7 +27,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32) flash_kvcache_combine_kernel(const AttnParams params) {
-    using Traits = ElemTraits<Elem>;
     const AttnParams& p = params;
     const int lane = threadIdx.x % 32;
     const long long rows = static_cast<long long>(p.batch) * p.num_heads * p.seqlen_q;  // per split
@@ -57,7 +56,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32) flash_kvcache_combine_kern
                 acc.y = fmaf(w, part.y, acc.y);
             }
         }
-        *reinterpret_cast<unsigned*>(o + col) = Traits::pack2(acc.x, acc.y);
+        if constexpr (is_same_v<Elem, float>) {
+            *reinterpret_cast<float2*>(o + col) = acc;
+        } else {
+            *reinterpret_cast<unsigned*>(o + col) = ElemTraits<Elem>::pack2(acc.x, acc.y);
+        }
     }
     if (p.lse != nullptr && lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + token] = lse;
 }

@@ -14,7 +14,8 @@ for shape, dtype and device only (no host synchronization, so a serving loop can
 and the kernels clamp them: a length past the capacity or a page id out of range never reads or writes outside
 the cache, but the result is then unspecified.
 
-Kernels: cuda_src/flash_kvcache.cu (plans in cuflash/kernels/kvcache.py). fp16 and bf16.
+Kernels: cuda_src/flash_kvcache.cu (fp16 and bf16, tensor cores) and cuda_src/flash_kvcache_simt.cu (float32,
+FFMA only); plans in cuflash/kernels/kvcache.py.
 """
 from __future__ import annotations
 
@@ -99,8 +100,7 @@ class KvCall:
         if qd.ndim != 4:
             raise ValueError(f"q must have 4 dimensions (batch, seq_q, heads, head_dim), got shape {qd.shape}")
         if qd.dtype not in plans.DTYPES:
-            raise TypeError(f"attention_with_kvcache takes float16 or bfloat16 (the KV-cache kernels are tensor-core "
-                            f"only in this version), got q of dtype {qd.dtype}")
+            raise TypeError(f"attention_with_kvcache takes float16, bfloat16 or float32, got q of dtype {qd.dtype}")
         validation._check_loadable(qd)
         validation._check_head_dim(qd, "head dim")
         batch, seqlen_q, num_heads, head_dim = qd.shape
@@ -357,7 +357,7 @@ def _meta(q, k_cache, v_cache, block_table, options) -> tuple:
     _reject_options(options)
     dtype = _dtype_of(q)
     if dtype not in plans.DTYPES:
-        raise TypeError(f"attention_with_kvcache takes float16 or bfloat16, got q of dtype {dtype}")
+        raise TypeError(f"attention_with_kvcache takes float16, bfloat16 or float32, got q of dtype {dtype}")
     batch, seqlen_q, num_heads, head_dim = (int(n) for n in q.shape)
     capacity = int(k_cache.shape[1]) * (1 if block_table is None else int(block_table.shape[1]))
     score_mod = 1 if options.get("softcap") or options.get("alibi_slopes") is not None else 0

@@ -92,12 +92,46 @@ def test_prefill_takes_the_forward_tile(arch):
         assert decode.config.block_m == plans.BLOCK_M
         assert (prefill.config.block_m, prefill.config.block_n, prefill.config.num_warps,
                 prefill.config.stages) == tile_sm80(arch, bucket, True)
+        # decoding streams the cache through wide panels (whole 128-byte lines); prefill keeps narrow ones
+        assert decode.config.panel_cols == 64 and prefill.config.panel_cols == 32
         assert prefill.smem_bytes <= arch_caps(arch).smem_per_block
     rows = plans.PREFILL_ROWS
     big = plans.plan("bfloat16", 1, rows // 4, 32, 8, 128, 128, 0, 4096, True, None, arch, 132)
     small = plans.plan("bfloat16", 1, rows // 4 - 1, 32, 8, 128, 128, 0, 4096, True, None, arch, 132)
     assert big.launches[1].variant.config.block_m == tile_sm80(arch, 128, True)[0]
     assert small.launches[1].variant.config.block_m == plans.BLOCK_M
+    for bucket in (32, 96, 160, 224):  # rows of half lines: narrow panels
+        assert plans.variant("bfloat16", bucket, 0, arch).config.panel_cols == 32
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_float32_takes_the_simt_kernel(arch):
+    """float32 calls run the true-fp32 kernel: 16 packed rows for decoding, the SIMT forward's tile from
+    SIMT_PREFILL_ROWS rows, within the SIMT kernels' shared-memory promise; the combine takes float32 too."""
+    from cuflash.kernels import simt
+
+    for bucket in HEAD_DIM_BUCKETS:
+        for mod in plans.SCORE_MODS:
+            decode = plans.variant("float32", bucket, mod, arch)
+            prefill = plans.variant("float32", bucket, mod, arch, prefill=True)
+            assert decode.source == plans.SIMT_SOURCE and decode.threads == simt.THREADS
+            assert decode.config.block_m == plans.SIMT_DECODE_ROWS
+            assert (prefill.config.block_m, prefill.config.block_n) == simt.forward_tiles(bucket)
+            for v in (decode, prefill):
+                assert v.smem_bytes == simt.forward_smem_bytes(bucket, v.config.block_m, v.config.block_n)
+                assert v.smem_bytes <= simt.MAX_SMEM_BYTES
+    rows = plans.SIMT_PREFILL_ROWS
+    p = plans.plan("float32", 2, rows // 4, 32, 8, 128, 128, 0, 4096, True, 3, arch, 132)
+    names = [launch.variant.name for launch in p.launches]
+    assert names == [plans.APPEND_NAME, plans.SIMT_KERNEL_NAME, plans.COMBINE_NAME]
+    assert p.launches[0].variant.config.elem_bytes == 4 and p.launches[2].variant.config.dtype == "float32"
+    assert p.launches[1].variant.config.block_m == simt.forward_tiles(128)[0]
+    assert p.launches[1].grid == (3, 8, 2)
+    small = plans.plan("float32", 2, rows // 4 - 1, 32, 8, 128, 128, 0, 4096, False, 1, arch, 132)
+    assert small.launches[0].variant.config.block_m == plans.SIMT_DECODE_ROWS
+    assert small.launches[0].grid == (-(-(rows - 4) // plans.SIMT_DECODE_ROWS), 8, 2)
+    every = {v for v in plans.all_variants(arch) if v.source == plans.SIMT_SOURCE}
+    assert len(every) == len(HEAD_DIM_BUCKETS) * len(plans.SCORE_MODS) * 2
 
 
 def _cache(gpu, B=3, L=256, Hkv=2, D=64, dtype=BF16, paged=None):

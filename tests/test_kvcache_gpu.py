@@ -12,7 +12,8 @@ poisoning allocator, NaN-poisoned split-KV scratch), then:
 - paged against dense on the same keys: bit for bit (page sizes 1, 13, 16, 128, 256: per-row gathers and
   whole-page tiles);
 - split-KV (forced and heuristic) against no split: both against the reference, and close to each other;
-- lengths as host data, on the GPU, or one int; GQA groups of 1 to 16 heads; causal, window, softcap, ALiBi.
+- lengths as host data, on the GPU, or one int; GQA groups of 1 to 16 heads; causal, window, softcap, ALiBi;
+  fp16, bf16 and float32 (its own SIMT kernel: every case kind above again, and paged = dense bit for bit).
 """
 from __future__ import annotations
 
@@ -92,9 +93,21 @@ CASES = [
     # D128 paged (13-row pages) with softcap + ALiBi (its 32-key variant); lengths that end inside a block
     Case("bf16", (0, 700, 1500), 1800, 200, 16, 4, 128, snew=200, causal=True, num_splits=None),
     Case("fp16", (33, 900), 1300, 100, 8, 2, 128, snew=100, causal=True, page_size=13, softcap=30.0, alibi="h"),
+    # the decoding tile's wide panels (D a multiple of 64) at D192: two new tokens, GQA 3, a forced split
+    Case("bf16", (3, 999), 1024, 2, 24, 8, 192, snew=2, causal=True, num_splits=2),
     # no appended tokens; a query block bigger than a CTA (Sq x group > 64 rows)
     Case("bf16", (513, 2, 0), 600, 20, 16, 4, 128, causal=True, lengths="host"),
     Case("fp16", (0, 0), 64, 3, 4, 2, 64, snew=0),  # nothing cached: out 0, lse -inf
+    # float32 (the SIMT kernel): decoding with the heuristic's split; a paged D256 MQA group of 16 (one 16-row
+    # tile) through 13-row pages (row gathers) with softcap + ALiBi; chunked prefill on the decoding tile (Dv !=
+    # D, window); the prefill tile (>= 64 packed rows) over whole 128-row pages and over 16-row pages with a
+    # forced split; nothing cached
+    Case("fp32", (0, 1, 17, 300, 1023), 1024, 1, 32, 8, 128, snew=1, num_splits=None),
+    Case("fp32", (129, 2), 520, 1, 16, 1, 256, snew=1, page_size=13, num_splits=None, softcap=20.0, alibi="bh"),
+    Case("fp32", (250, 0, 31), 384, 5, 12, 4, 64, Dv=32, snew=5, causal=True, window=(40, 0), alibi="h"),
+    Case("fp32", (0, 700, 1500), 1792, 40, 16, 4, 128, snew=40, causal=True, page_size=128, num_splits=None),
+    Case("fp32", (1000, 3), 1280, 20, 8, 1, 96, snew=20, causal=True, page_size=16, num_splits=3, lengths="host"),
+    Case("fp32", (0, 0), 64, 3, 4, 2, 64, snew=0),
 ]
 
 
@@ -267,10 +280,11 @@ def test_kvcache_matches_the_reference(case):
     report.check()
 
 
-@pytest.mark.parametrize("page_size", [1, 13, 16, 128, 256])
-def test_paged_equals_dense_bit_for_bit(page_size):
+@pytest.mark.parametrize("dtype,page_size", [("bf16", 1), ("bf16", 13), ("bf16", 16), ("bf16", 128), ("bf16", 256),
+                                             ("fp32", 1), ("fp32", 13), ("fp32", 64)])
+def test_paged_equals_dense_bit_for_bit(dtype, page_size):
     capacity = -(-768 // page_size) * page_size
-    c = Case("bf16", (0, 1, 255, 511, 765), capacity, 3, 16, 4, 128, snew=3, causal=True, num_splits=1)
+    c = Case(dtype, (0, 1, 255, 511, 765), capacity, 3, 16, 4, 128, snew=3, causal=True, num_splits=1)
     dense = make_cache(c, 21)
     paged = make_cache(c, 21, page_size=page_size)
     r_dense, r_paged = run(c, dense), run(c, paged)
@@ -334,8 +348,10 @@ def test_bad_arguments_name_themselves():
         cuflash.attention_with_kvcache(q, k, k, [1, 1], k[:, :1])
     with pytest.raises(ValueError, match="bias"):
         cuflash.attention_with_kvcache(q, k, k, [1, 1], bias=cupy.zeros((B, H, 1, L), np.float16))
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        cuflash.attention_with_kvcache(q.astype(np.float32), k.astype(np.float32), k.astype(np.float32), [1, 1])
+    with pytest.raises(TypeError, match="share a dtype"):
+        cuflash.attention_with_kvcache(q.astype(np.float32), k, k, [1, 1])
+    with pytest.raises(TypeError, match="float64"):
+        cuflash.attention_with_kvcache(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64), [1, 1])
     with pytest.raises(ValueError, match="num_splits"):
         cuflash.attention_with_kvcache(q, k, k, [1, 1], num_splits=0)
     with pytest.raises(ValueError, match="divide"):

@@ -251,16 +251,18 @@ __device__ __forceinline__ float positive_scale_log2(const AttnParams& params, u
 // With kStages = 1 this is FlashAttention-2's overlap: V_j loads under Q.K_j^T, K_{j+1} under the
 // softmax and P.V_j. With kStages >= 2 each load has a whole step or more to land. Every warp's last
 // ldmatrix of Q precedes the last __syncthreads, so the epilogue may reuse Q's shared memory.
-// Loads_: the load side (FwdLoads; the KV-cache kernel's gathers, KvLoads in cuflash/kvcache.cuh), with the
-// narrow-panel tile.
+// Loads_: the load side (FwdLoads; the KV-cache kernel's gathers, KvLoads in cuflash/kvcache.cuh), whose
+// tiles set the panel width the GEMMs read: narrow (32 columns, every forward) or wide (64, the KV cache's).
 template <typename Cfg, typename Loads_ = FwdLoads<Cfg, NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>, Cfg::kStages>>
 struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
     using Elem = typename Cfg::Elem;
-    using Tile = NarrowTile<Cfg::kBlockN, Cfg::kHeadDim>;
     using Loads = Loads_;
-    static_assert(Loads::KVTile::kPanelCols == Tile::kPanelCols && Loads::KVTile::kBytes == Tile::kBytes,
-                  "the load side fills the mainloop's narrow-panel tiles");
+    static constexpr int kPanelCols = Loads::KVTile::kPanelCols;
+    using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, kPanelCols>;
     using QTile = typename Loads::QTile;
+    static_assert((kPanelCols == 32 || kPanelCols == 64) && Loads::KVTile::kBytes == Tile::kBytes &&
+                      QTile::kPanelCols == kPanelCols,
+                  "the load side fills narrow- or wide-panel tiles, Q's like K's and V's");
     static constexpr int kStages = Cfg::kStages;
     static constexpr int kSmemBytes = Loads::kSmemBytes;
     static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
@@ -285,7 +287,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
         }
         const float scale_log2 = positive_scale_log2<QTile, Cfg::kThreads, 2 * kStages - 2, typename Cfg::ScoreMod>(params, this->smem_q);
 
-        const LdmatrixLanes lanes(threadIdx.x % 32);
+        const LdmatrixLanes<kPanelCols> lanes(threadIdx.x % 32);
         const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
         bool idle = false;  // (a warp-uniform branch around the math only)
         if constexpr (Cfg::kSkipIdleWarps) idle = this->row_begin + this->warp_row0 >= this->mask.rows;

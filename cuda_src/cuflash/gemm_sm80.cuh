@@ -128,29 +128,35 @@ __device__ __forceinline__ void gemm_ab(float (&acc)[kNTiles][4], AFrag&& a_frag
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The forward's narrow-panel GEMMs. NarrowTile: 32-column panels of 64-byte rows.
+// The forward's panel GEMMs, on SwizzledTile<rows, cols, kPanelCols> tiles: NarrowTile (32-column panels of
+// 64-byte rows: every forward) or WideTile (64-column panels of 128-byte rows: the KV cache's streamed tiles,
+// whose copies then fill whole 128-byte lines, cuflash/tile.cuh copy_tile_rows).
 template <int kRows, int kCols>
 using NarrowTile = SwizzledTile<kRows, kCols, 32>;
+template <int kRows, int kCols>
+using WideTile = SwizzledTile<kRows, kCols, 64>;
 
-// The per-lane part of every ldmatrix address into a narrow-panel tile, by parity of the 16-column k-step
-// (a 32-column panel holds two). Every ldmatrix tile starts on a 16-row boundary, so the swizzle term
-// (row >> 1) & 3 depends on the lane only.
+// The per-lane part of every ldmatrix address into a panel tile, by the 16-column k-step within a panel
+// (a panel holds kPanelCols / 16). Every ldmatrix tile starts on a 16-row boundary, so the swizzle term
+// depends on the lane only.
+template <int kPanelCols = 32>
 struct LdmatrixLanes {
+    static constexpr int kSteps = kPanelCols / 16;
     // A pattern, x4 as rows 0-7|8-15 x cols 0-7|8-15 of a 16x16 tile: Q as the A operand, and V
     // (with .trans) as the B operand of two n8 tiles: row lane % 16, chunk lane / 16.
-    unsigned a[2];
+    unsigned a[kSteps];
     // B pattern, x4 as keys 0-7 x k 0-7|8-15, keys 8-15 x k 0-7|8-15: K as the B operand of two n8
     // tiles: row (lane / 16) * 8 + lane % 8, chunk (lane / 8) % 2.
-    unsigned b[2];
+    unsigned b[kSteps];
 
     __device__ __forceinline__ explicit LdmatrixLanes(int lane) {
-        using Panel = NarrowTile<16, 32>;
+        using Panel = SwizzledTile<16, kPanelCols, kPanelCols>;
         const int a_row = lane % 16;
         const int b_row = lane / 16 * 8 + lane % 8;
 #pragma unroll
-        for (int parity = 0; parity < 2; ++parity) {
-            a[parity] = Panel::chunk_offset(a_row, 2 * parity + lane / 16);
-            b[parity] = Panel::chunk_offset(b_row, 2 * parity + lane / 8 % 2);
+        for (int step = 0; step < kSteps; ++step) {
+            a[step] = Panel::chunk_offset(a_row, 2 * step + lane / 16);
+            b[step] = Panel::chunk_offset(b_row, 2 * step + lane / 8 % 2);
         }
     }
 };
@@ -176,36 +182,38 @@ __device__ __forceinline__ void mma_blocked(float (&acc)[kMTiles][kNTiles][4], A
 }
 
 // acc_s = Q . K^T for this warp's kMTiles x 16 query rows (q_warp: its first row in the Q tile) and
-// the kNTiles x 8 keys of a K tile.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kMTiles, int kNTiles>
+// the kNTiles x 8 keys of a K tile; both tiles of kPanelCols-column panels.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kMTiles, int kNTiles, int kPanelCols>
 __device__ __forceinline__ void gemm_qk(float (&acc_s)[kMTiles][kNTiles][4], unsigned q_warp, unsigned k_tile,
-                                        const LdmatrixLanes& lanes) {
-    using QTile = NarrowTile<kBlockM, kHeadDim>;
-    using KTile = NarrowTile<kBlockN, kHeadDim>;
+                                        const LdmatrixLanes<kPanelCols>& lanes) {
+    using QTile = SwizzledTile<kBlockM, kHeadDim, kPanelCols>;
+    using KTile = SwizzledTile<kBlockN, kHeadDim, kPanelCols>;
+    constexpr int kSteps = LdmatrixLanes<kPanelCols>::kSteps;
     clear(acc_s);
     mma_blocked<Elem, kHeadDim / 16, kMTiles, kNTiles>(
         acc_s,
         [&](int kk, int mt, unsigned (&a)[4]) {
-            sm80::ldmatrix_x4(a, q_warp + lanes.a[kk % 2] + kk / 2 * QTile::kPanelBytes +
+            sm80::ldmatrix_x4(a, q_warp + lanes.a[kk % kSteps] + kk / kSteps * QTile::kPanelBytes +
                                      mt * 16 * QTile::kPanelRowBytes);
         },
         [&](int kk, int np, unsigned (&b)[4]) {
-            sm80::ldmatrix_x4(b, k_tile + lanes.b[kk % 2] + kk / 2 * KTile::kPanelBytes +
+            sm80::ldmatrix_x4(b, k_tile + lanes.b[kk % kSteps] + kk / kSteps * KTile::kPanelBytes +
                                      np * 16 * KTile::kPanelRowBytes);
         });
 }
 
 // acc_o += P . V with P = acc_s (fp32 probabilities) packed to Elem in registers: the C fragment of
 // n8 tiles 2kk and 2kk+1 is exactly the A fragment of k16 step kk. V fragments are read with .trans.
-template <typename Elem, int kHeadDim, int kBlockN, int kMTiles, int kNTiles, int kDTiles>
+template <typename Elem, int kHeadDim, int kBlockN, int kMTiles, int kNTiles, int kDTiles, int kPanelCols>
 __device__ __forceinline__ void gemm_pv(float (&acc_o)[kMTiles][kDTiles][4],
                                         const float (&acc_s)[kMTiles][kNTiles][4], unsigned v_tile,
-                                        const LdmatrixLanes& lanes) {
-    using VTile = NarrowTile<kBlockN, kHeadDim>;
+                                        const LdmatrixLanes<kPanelCols>& lanes) {
+    using VTile = SwizzledTile<kBlockN, kHeadDim, kPanelCols>;
+    constexpr int kSteps = LdmatrixLanes<kPanelCols>::kSteps;
     mma_blocked<Elem, kNTiles / 2, kMTiles, kDTiles>(
         acc_o, [&](int kk, int mt, unsigned (&a)[4]) { c_to_a<Elem>(a, acc_s[mt], kk); },
         [&](int kk, int dp, unsigned (&b)[4]) {
-            sm80::ldmatrix_x4_trans(b, v_tile + lanes.a[dp % 2] + dp / 2 * VTile::kPanelBytes +
+            sm80::ldmatrix_x4_trans(b, v_tile + lanes.a[dp % kSteps] + dp / kSteps * VTile::kPanelBytes +
                                            kk * 16 * VTile::kPanelRowBytes);
         });
 }

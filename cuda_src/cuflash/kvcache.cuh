@@ -71,18 +71,25 @@ struct KvScoreMod : GeneralScoreMod<Elem, false, true> {
         this->slope = 0.f;
     }
 
+    // The modified score of packed row `row`, key `col` (kPrecise: tanhf for the fp32 kernel, else fast_tanh).
+    template <bool kPrecise = false>
+    __device__ __forceinline__ float packed(float raw, int row, int col) const {
+        float unused;
+        float x = this->template one<kPrecise>(raw, row, col, unused, 0.f);
+        if (slopes != nullptr) {
+            const float distance = fabsf(static_cast<float>(row / group + this->causal_offset - col));
+            x = fmaf(-__ldg(slopes + row % group), distance, x);
+        }
+        return x;
+    }
+
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
                                           const BiasTileRef& = BiasTileRef{}) const {
-        for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
-            float unused;
-            x = this->one(x, row, col, unused, 0.f);
-            if (slopes != nullptr) {
-                const float distance = fabsf(static_cast<float>(row / group + this->causal_offset - col));
-                x = fmaf(-__ldg(slopes + row % group), distance, x);
-            }
-        });
+        for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) { x = packed(x, row, col); });
     }
+    // One score (the SIMT kernel's form).
+    __device__ __forceinline__ float apply_one(float raw, int row, int col) const { return packed<true>(raw, row, col); }
 };
 
 template <int kScoreMod, typename Elem>
@@ -192,6 +199,35 @@ struct KvLoads {
     }
 };
 
+// Split-KV: split `split` of num_splits takes an equal share of the key blocks (KeyBlocks) its query block sees.
+template <typename Blocks>
+__device__ __forceinline__ void take_split(Blocks& blocks, int num_splits, int split) {
+    if (num_splits > 1) {
+        const int per_split = ceil_div(blocks.count(), num_splits);
+        const int begin = blocks.n_begin + split * per_split;
+        blocks.n_end = min(blocks.n_end, begin + per_split);
+        blocks.n_begin = min(begin, blocks.n_end);
+    }
+}
+
+// Where packed row `row` (token row / G of query head seq.h + row % G) goes: out[b, token, h] and lse[b, h,
+// token], or with num_splits > 1 row `partial_row` of split `split`'s o_accum (Dv floats) and lse_accum.
+struct KvRow {
+    int token, h;
+    __device__ __forceinline__ KvRow(const AttnParams& p, const SeqInfo& seq, int row)
+        : token(row / p.h_per_kv), h(seq.h + row % p.h_per_kv) {}
+    __device__ __forceinline__ long long partial_row(const AttnParams& p, const SeqInfo& seq, int split) const {
+        return ((static_cast<long long>(split) * p.batch + seq.b) * p.num_heads + h) * p.seqlen_q + token;
+    }
+    template <typename Elem>
+    __device__ __forceinline__ Elem* out(const AttnParams& p, const SeqInfo& seq) const {
+        return static_cast<Elem*>(p.o) + seq.b * p.o_batch_stride + token * p.o_row_stride + h * p.o_head_stride;
+    }
+    __device__ __forceinline__ float* lse(const AttnParams& p, const SeqInfo& seq) const {
+        return p.lse == nullptr ? nullptr : p.lse + seq.b * p.lse_batch_stride + h * p.lse_head_stride + token;
+    }
+};
+
 // Stores a CTA's rows: out (q's dtype, bshd) and lse, or with num_splits > 1 split `split`'s fp32 partial
 // output and lse. acc_o is normalized, lse[mt][half] per row (-inf for a row that saw no key: its output is 0).
 // Straight from the fragments (4- / 8-byte stores): the KV-cache kernel's rows are few.
@@ -202,18 +238,17 @@ struct KvEpilogue {
                                                  const float (&acc_o)[kMTiles][kDTiles][4],
                                                  const float (&lse)[kMTiles][2], int warp_row_begin, int split) {
         using Traits = ElemTraits<Elem>;
-        const int lane = threadIdx.x % 32, group = p.h_per_kv, rows = seq.seqlen_q * group;
+        const int lane = threadIdx.x % 32, rows = seq.seqlen_q * p.h_per_kv;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = warp_row_begin + mt * 16 + half * 8 + lane / 4;
                 if (row >= rows) continue;
-                const int token = row / group, h = seq.h + row % group;
+                const KvRow at(p, seq, row);
                 const int col0 = lane % 4 * 2;
                 if (p.num_splits > 1) {
-                    const long long out_row = ((static_cast<long long>(split) * p.batch + seq.b) * p.num_heads + h) *
-                                                  p.seqlen_q + token;
+                    const long long out_row = at.partial_row(p, seq, split);
                     float* o = p.o_accum + out_row * p.head_dim_v;
 #pragma unroll
                     for (int dt = 0; dt < kDTiles; ++dt) {
@@ -224,8 +259,7 @@ struct KvEpilogue {
                     }
                     if (lane % 4 == 0) p.lse_accum[out_row] = lse[mt][half];
                 } else {
-                    Elem* o = static_cast<Elem*>(p.o) + seq.b * p.o_batch_stride + token * p.o_row_stride +
-                              h * p.o_head_stride;
+                    Elem* o = at.out<Elem>(p, seq);
 #pragma unroll
                     for (int dt = 0; dt < kDTiles; ++dt) {
                         if (dt * 8 + col0 < p.head_dim_v) {
@@ -233,9 +267,7 @@ struct KvEpilogue {
                                 Traits::pack2(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]);
                         }
                     }
-                    if (p.lse != nullptr && lane % 4 == 0) {
-                        p.lse[seq.b * p.lse_batch_stride + h * p.lse_head_stride + token] = lse[mt][half];
-                    }
+                    if (p.lse != nullptr && lane % 4 == 0) *at.lse(p, seq) = lse[mt][half];
                 }
             }
         }

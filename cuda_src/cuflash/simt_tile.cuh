@@ -76,6 +76,30 @@ __device__ __forceinline__ void load_tile(float* smem, const float* gmem, long l
     }
 }
 
+// load_tile's gather form: tile row r is rows.at(row0 + r), a row functor's pointer (GQA-packed query rows,
+// the rows of a paged cache). `base`: any valid address of the tensor, for the zero-filling copies. A chunk
+// copies with cp.async when its source is 16-byte aligned, else with plain loads.
+template <int kRows, int kCols, int kPitch, typename Rows>
+__device__ __forceinline__ void load_tile_rows(float* smem, const Rows& rows, int row0, int rows_valid,
+                                               int cols_valid, const void* base) {
+    constexpr int kChunksPerRow = kCols / 4;
+    static_assert(kCols % 4 == 0 && kPitch % 4 == 0, "tiles are copied in 16-byte chunks");
+    for (int chunk = threadIdx.x; chunk < kRows * kChunksPerRow; chunk += kThreads) {
+        const int r = chunk / kChunksPerRow;
+        const int c = (chunk % kChunksPerRow) * 4;
+        float* dst = smem + r * kPitch + c;
+        const bool row_valid = r < rows_valid;
+        const float* src = row_valid ? rows.at(row0 + r) + c : static_cast<const float*>(base);
+        if (!row_valid || c >= cols_valid || (c + 4 <= cols_valid && aligned16(src))) {
+            sm80::cp_async_16(sm80::smem_addr(dst), row_valid && c < cols_valid ? src : base,
+                              row_valid && c < cols_valid);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dst[e] = c + e < cols_valid ? src[e] : 0.f;
+        }
+    }
+}
+
 template <int kI, int kC>
 __device__ __forceinline__ void fill_zero(float (&x)[kI][kC]) {
 #pragma unroll

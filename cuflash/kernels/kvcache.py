@@ -15,6 +15,11 @@ for twice the rows (H100, bf16, B4 H32 / Hkv8 D128, 512 new tokens over 8k cache
 0.61x -> 0.97x FlashAttention-2, session 11 run 4). Keys per step and stages: :func:`tile` (bytes in flight per SM), shedding stages, then
 keys, on parts with less shared memory.
 
+float32 runs ``cuda_src/flash_kvcache_simt.cu``: the true-fp32 forward's key loop (FFMA only, as
+``cuflash/kernels/simt.py``'s kernels) with the same packed rows, mask, pages, splits and combine. Its decoding
+tile is 16 packed rows (one per thread row of the 16 x 16 grid) over 32 keys (64 at D <= 64); from
+SIMT_PREFILL_ROWS packed rows it takes the SIMT forward's own tile (:func:`cuflash.kernels.simt.forward_tiles`).
+
 Split-KV (``num_splits``): None picks it with :func:`num_splits_heuristic` (enough CTAs to fill the SMs when
 B x Hkv x m_blocks cannot), 1 turns it off; each split takes an equal share of a query block's visible key
 blocks. The partials are fp32 ``o_accum (splits, B, H, Sq, Dv)`` and ``lse_accum (splits, B, H, Sq)``.
@@ -29,16 +34,22 @@ from . import HEAD_DIM_BUCKETS, MOD_NONE, MOD_SOFTCAP_ALIBI, KernelVariant, Laun
 
 SOURCE = "flash_kvcache.cu"
 KERNEL_NAME = "cuflash::flash_kvcache_kernel"
+SIMT_SOURCE = "flash_kvcache_simt.cu"
+SIMT_KERNEL_NAME = "cuflash::flash_kvcache_simt_kernel"
 APPEND_SOURCE = "flash_kvcache_append.cu"
 APPEND_NAME = "cuflash::flash_kvcache_append_kernel"
 COMBINE_SOURCE = "flash_kvcache_combine.cu"
 COMBINE_NAME = "cuflash::flash_kvcache_combine_kernel"
-DTYPES = ("float16", "bfloat16")
+DTYPES = ("float16", "bfloat16", "float32")
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 SCORE_MODS = (MOD_NONE, MOD_SOFTCAP_ALIBI)
 BLOCK_M, WARPS = 64, 4
 #: Packed query rows per kv head (Sq x H / Hkv) from which a call takes the prefill tile (two of its 128-row
 #: blocks): chunked prefill. Below it the 64-row decoding tile, which a single token's group fills better.
 PREFILL_ROWS = 256
+#: float32: packed query rows per kv head from which a call takes the SIMT forward's tile instead of 16 rows.
+SIMT_PREFILL_ROWS = 64
+SIMT_DECODE_ROWS = 16
 APPEND_THREADS, COMBINE_WARPS = 256, 4
 #: At most this many splits (the combine reads each row's lse_accum 32 at a time).
 MAX_SPLITS = 128
@@ -47,7 +58,7 @@ ELEM_BYTES = 2
 
 @dataclass(frozen=True)
 class KvConfig:
-    """``flash_kvcache_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod>``."""
+    """``flash_kvcache_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod, kPanelCols>``."""
 
     dtype: str
     head_dim: int  # the head-dim bucket
@@ -55,6 +66,17 @@ class KvConfig:
     block_n: int  # keys per mainloop step
     num_warps: int
     stages: int
+    score_mod: int  # MOD_NONE or MOD_SOFTCAP_ALIBI
+    panel_cols: int = 32  # shared-memory tile panels: 64 (wide) for decoding where D allows, see variant()
+
+
+@dataclass(frozen=True)
+class KvSimtConfig:
+    """``flash_kvcache_simt_kernel<kHeadDim, kBlockM, kBlockN, kScoreMod>`` (float32)."""
+
+    head_dim: int  # the head-dim bucket
+    block_m: int  # packed query rows per CTA
+    block_n: int  # keys per step
     score_mod: int  # MOD_NONE or MOD_SOFTCAP_ALIBI
 
 
@@ -103,16 +125,35 @@ def tile(arch: int, head_dim_bucket: int) -> tuple:
     return block_n, stages
 
 
+def simt_variant(head_dim_bucket: int, score_mod: int, prefill: bool = False) -> KernelVariant:
+    """The float32 kernel: 16 packed rows x 32 keys (64 at D <= 64) for decoding, or with ``prefill`` the SIMT
+    forward's tile. Its shared memory is the SIMT forward's layout (Q, K, V at pitch D + 4, P), within the 99 KB
+    every arch from sm_80 on grants (:data:`cuflash.kernels.simt.MAX_SMEM_BYTES`)."""
+    from . import simt
+
+    if prefill:
+        block_m, block_n = simt.forward_tiles(head_dim_bucket)
+    else:
+        block_m, block_n = SIMT_DECODE_ROWS, 64 if head_dim_bucket <= 64 else 32
+    smem = simt.forward_smem_bytes(head_dim_bucket, block_m, block_n)
+    if smem > simt.MAX_SMEM_BYTES:
+        raise AssertionError(f"the fp32 KV-cache tile D{head_dim_bucket} {block_m}x{block_n} needs {smem} bytes")
+    config = KvSimtConfig(head_dim_bucket, block_m, block_n, int(score_mod))
+    return KernelVariant(SIMT_SOURCE, SIMT_KERNEL_NAME, config, simt.THREADS, smem)
+
+
 def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, prefill: bool = False) -> KernelVariant:
     """The decoding tile (:func:`tile`), or with ``prefill`` the mma.sync forward's own (128 query rows per CTA:
     :func:`cuflash.kernels.forward.tile_sm80`), for calls with at least PREFILL_ROWS packed query rows per kv
     head, which are bound by the tensor cores rather than by reading the cache."""
     if dtype not in DTYPES:
-        raise ValueError(f"the KV-cache kernel takes float16 or bfloat16; got {dtype=}")
+        raise ValueError(f"the KV-cache kernel takes float16, bfloat16 or float32; got {dtype=}")
     if score_mod not in SCORE_MODS:
         raise ValueError(f"the KV-cache kernel takes no bias; got {score_mod=}")
     if not arch_caps(arch).has_cp_async:
         raise ValueError(f"the KV-cache kernel needs sm_80 or later; got {arch=}")
+    if dtype == "float32":
+        return simt_variant(head_dim_bucket, score_mod, prefill)
     if prefill:
         from .forward import tile_sm80
 
@@ -124,7 +165,12 @@ def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, prefill
             block_n, stages = 32, 2
     else:
         (block_n, stages), block_m, warps = tile(arch, head_dim_bucket), BLOCK_M, WARPS
-    config = KvConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(score_mod))
+    # Decoding streams the cache: wide panels (rows of whole 128-byte lines, where D is a multiple of 64) halve
+    # the L2 requests of its copies. H100, B64 H32/8 L8k D128: 2929 -> 3053 GB/s, B1 L128k 2730 -> 2834
+    # (session 15, run 4). The prefill tiles are bound by the tensor cores and keep narrow panels (the D64
+    # 128 x 128 tile spilled 32 bytes wide).
+    panel_cols = 64 if not prefill and head_dim_bucket % 64 == 0 else 32
+    config = KvConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(score_mod), panel_cols)
     return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem_bytes(head_dim_bucket, block_n, stages, block_m))
 
 
@@ -138,10 +184,14 @@ def combine_variant(dtype: str) -> KernelVariant:
 
 
 def ctas_per_sm(v: KernelVariant, arch: int) -> int:
-    """How many of the attention kernel's CTAs share an SM (shared memory bound; 4 warps never hit the
-    register or thread limits first at these tiles)."""
+    """How many of the attention kernel's CTAs share an SM: shared memory bound for the tensor-core kernel (4
+    warps never hit the register or thread limits first at these tiles); the fp32 kernel's 256 threads are
+    also register bound (its launch bounds: two CTAs of <= 128 registers, one with softcap / ALiBi)."""
     caps = arch_caps(arch)
-    return max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
+    by_smem = max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
+    if isinstance(v.config, KvSimtConfig):
+        return min(by_smem, 2 if v.config.score_mod == MOD_NONE else 1)
+    return by_smem
 
 
 def num_splits_heuristic(ctas: int, key_blocks: int, slots: int) -> int:
@@ -186,7 +236,8 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
          num_sms: int, paged: bool = False) -> KvPlan:
     """``longest_keys``: the most keys any batch can attend to (the cache's capacity, or the known lengths)."""
     group = num_heads // num_heads_k
-    v = variant(dtype, head_dim_bucket, score_mod, arch, prefill=seqlen_q * group >= PREFILL_ROWS)
+    prefill_rows = SIMT_PREFILL_ROWS if dtype == "float32" else PREFILL_ROWS
+    v = variant(dtype, head_dim_bucket, score_mod, arch, prefill=seqlen_q * group >= prefill_rows)
     m_blocks = -(-(seqlen_q * group) // v.config.block_m)
     key_blocks = max(1, -(-longest_keys // v.config.block_n))
     if num_splits is None:
@@ -210,9 +261,12 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
 def all_variants(arch: int) -> list:
     if not arch_caps(arch).has_cp_async:
         return []
-    attention = {variant(dtype, bucket, mod, arch, prefill) for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS
-                 for mod in SCORE_MODS for prefill in (False, True)}
+    attention = {variant(dtype, bucket, mod, arch, prefill) for dtype in TENSOR_CORE_DTYPES
+                 for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS for prefill in (False, True)}
     out = sorted(attention, key=lambda v: (v.config.dtype, v.config.head_dim, v.config.score_mod, v.config.block_m))
+    simt = {simt_variant(bucket, mod, prefill) for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS
+            for prefill in (False, True)}
+    out += sorted(simt, key=lambda v: (v.config.head_dim, v.config.score_mod, v.config.block_m))
     out += [append_variant(dtype) for dtype in ("bfloat16", "float32")]
     out += [combine_variant(dtype) for dtype in DTYPES]
     return out
