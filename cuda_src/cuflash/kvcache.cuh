@@ -1,5 +1,7 @@
 // KV-cache attention (cuda_src/flash_kvcache.cu): the parts where it differs from the forward's mainloop,
-// which it runs as it is (FwdMainloopSm80 with these as its mask, score modifier and load side).
+// which it runs as it is (FwdMainloopSm80 with these as its mask, score modifier and load side). The float32
+// kernel (cuda_src/flash_kvcache_simt.cu) takes the mask, the modifier's one-score form, the row functors,
+// take_split and KvRow from here too.
 //
 // Query rows pack a GQA group. One CTA serves a (batch, kv head) and kBlockM rows of its group's queries:
 // row r is token r / G of query head h0 + r % G (G = h_per_kv query heads per kv head, h0 = the group's first),
