@@ -67,7 +67,7 @@ class KvConfig:
     num_warps: int
     stages: int
     score_mod: int  # MOD_NONE or MOD_SOFTCAP_ALIBI
-    panel_cols: int = 32  # shared-memory tile panels: 64 (wide) for decoding where D allows, see variant()
+    panel_cols: int  # shared-memory tile panels: 64 (wide) for decoding where D allows, 32; see variant()
 
 
 @dataclass(frozen=True)
