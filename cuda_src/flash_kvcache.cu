@@ -19,12 +19,17 @@ namespace cuflash {
 // or 32 (narrow, the forward's). Wide, each warp's copies fill whole shared lines and L2 serves them in half the
 // requests of narrow panels' 64-byte pieces: the decoding tiles (D128 decode on an H100: L2 requests 33.6M ->
 // 16.8M, cuDNN's count; DRAM 87% -> 91% of peak, session 15). The plan picks it (cuflash/kernels/kvcache.py).
+// kWarpsN: 1, each warp owns kBlockM / kNWarps rows; or the few-row decoding tile (16 rows, a GQA group's
+// token): the warps split every key block, each with its own online softmax, merged after the mainloop
+// (KeySplitMerge), so the four warps share the math that one warp would do alone.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kScoreMod,
-          int kPanelCols>
+          int kPanelCols, int kWarpsN>
 __global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnParams params) {
-    using Cfg = KvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod>;
+    using Cfg = KvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod, kWarpsN>;
     using Mainloop = FwdMainloopSm80<Cfg, KvLoads<Cfg, SwizzledTile<kBlockN, kHeadDim, kPanelCols>, kStages>>;
+    using Merge = KeySplitMerge<Cfg::kWarpsM, kWarpsN, Cfg::kMTiles, Cfg::kDTiles>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
+    static_assert(Merge::kScratchBytes <= Mainloop::kSmemBytes, "the merge reuses the tiles' shared memory");
 
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned smem_q = sm80::smem_addr(smem);
@@ -34,7 +39,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnP
     const int m_block = blockIdx.x / params.num_splits;
     const SeqInfo seq = SeqInfo::kv_cache(params, blockIdx.z, blockIdx.y);
     const int row_begin = m_block * kBlockM;
-    const int warp_row0 = threadIdx.x / 32 * Cfg::kWarpRows;
+    const int warp_row0 = Cfg::warp_row0();
 
     const KvMask mask(params, seq);
     typename Cfg::Blocks blocks(mask, m_block);
@@ -46,6 +51,10 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_kvcache_kernel(const AttnP
     if (!blocks.empty()) {
         Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, warp_row0);
         mainloop.run(params, seq, acc_o, softmax);
+    }
+    if constexpr (kWarpsN > 1) {
+        __syncthreads();  // every warp is done with Q, K and V (the mainloop drained its copies)
+        if (!Merge::run(softmax, acc_o, smem_q, softmax_scale_log2<typename Cfg::ScoreMod>(params))) return;
     }
     float lse[Cfg::kMTiles][2];  // -inf, with acc_o 0, for rows that saw no key (or a split with no blocks)
     softmax.finalize(acc_o, Cfg::ScoreMod::kScaled ? 1.f : fabsf(params.scale), lse);

@@ -534,4 +534,4 @@ def load_kernels(shape: ProblemShape, backward: bool, deterministic: bool) -> No
     cc = launch.compute_capability(device)
     for plan in plans:
         for item in plan.launches:
-            build.get_kernel(item.variant, device, cc)
+            build.get_kernel(item.variant, device, cc, item.smem_bytes)

@@ -254,6 +254,7 @@ def precompile(arch: str | None = None, variants=None, workers: int | None = Non
 # ----------------------------------------------------------------------------------------------
 
 _functions: dict = {}
+_smem_opted: dict = {}  # (device, variant) -> the dynamic shared memory its function may take
 _function_locks: dict = {}
 _functions_lock = threading.Lock()
 
@@ -272,12 +273,17 @@ class LoadedKernel:
     registers: int
 
 
-def get_kernel(variant: KernelVariant, device_id: int, compute_capability: str) -> LoadedKernel:
-    """The loaded function for ``variant`` on a device, compiling it on first use."""
+def get_kernel(variant: KernelVariant, device_id: int, compute_capability: str,
+               launch_smem_bytes: int = 0) -> LoadedKernel:
+    """The loaded function for ``variant`` on a device, compiling it on first use. ``launch_smem_bytes``: a
+    launch's dynamic shared memory when it reserves more than the kernel uses (Launch.smem_floor); the
+    function's opt-in limit is raised to it once."""
     key = (device_id, variant)
     loaded = _functions.get(key)
-    if loaded is not None:
+    if loaded is not None and launch_smem_bytes <= _smem_opted.get(key, 0):
         return loaded
+    if loaded is not None:
+        return _opt_in_smem(key, loaded, launch_smem_bytes)
     with _functions_lock:
         lock = _function_locks.setdefault(key, threading.Lock())
     with lock:
@@ -300,5 +306,21 @@ def get_kernel(variant: KernelVariant, device_id: int, compute_capability: str) 
             if variant.smem_bytes > 48 * 1024:
                 raw.max_dynamic_shared_size_bytes = variant.smem_bytes
             loaded = LoadedKernel(raw.kernel, raw, variant, compiled.registers)
+        _smem_opted[key] = max(variant.smem_bytes, 48 * 1024)
         _functions[key] = loaded
-        return loaded
+    return _opt_in_smem(key, loaded, launch_smem_bytes)
+
+
+def _opt_in_smem(key, loaded: LoadedKernel, nbytes: int) -> LoadedKernel:
+    """Raises the function's dynamic shared-memory limit to ``nbytes`` (a launch's reservation) if below."""
+    if nbytes > _smem_opted.get(key, 0):
+        import cupy
+
+        with _functions_lock, cupy.cuda.Device(key[0]):
+            limit = cupy.cuda.Device(key[0]).attributes["MaxSharedMemoryPerBlockOptin"]
+            if nbytes > limit:
+                raise RuntimeError(f"{render_name(loaded.variant)}: a launch reserves {nbytes} bytes of shared "
+                                   f"memory, but this GPU allows at most {limit} per block")
+            loaded.raw.max_dynamic_shared_size_bytes = nbytes
+            _smem_opted[key] = nbytes
+    return loaded

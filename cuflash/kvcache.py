@@ -385,7 +385,7 @@ def prepare_kvcache(q, k_cache, v_cache, *, block_table=None, k_new=None, num_sp
     plan = _plan(*meta[:8], meta[8], k_new is not None, num_splits, device, block_table is not None)
     cc = launch.compute_capability(device)
     for item in plan.launches:
-        build.get_kernel(item.variant, device, cc)
+        build.get_kernel(item.variant, device, cc, item.smem_bytes)
 
 
 def _dtype_of(x) -> str:

@@ -123,10 +123,10 @@ def run(plan: Plan, params, device_id: int, stream) -> None:
     argv = (ctypes.c_void_p * 1)(params.ctypes.data)
     stream_ptr = stream.ptr
     for item in plan.launches:
-        kernel = build.get_kernel(item.variant, device_id, cc)
+        kernel = build.get_kernel(item.variant, device_id, cc, item.smem_bytes)
         gx, gy, gz = item.grid
         driver.launchKernel(kernel.function.ptr, gx, gy, gz, item.variant.threads, 1, 1,
-                            item.variant.smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
+                            item.smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
 
 
 def scratch_bytes(plan: Plan) -> int:
@@ -180,11 +180,11 @@ class CallPlan:
 
     def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=()):
         cc = compute_capability(device_id)
-        loaded = [build.get_kernel(item.variant, device_id, cc) for item in plan.launches]
+        loaded = [build.get_kernel(item.variant, device_id, cc, item.smem_bytes) for item in plan.launches]
         self._kernels = tuple(loaded)  # keeps the modules (and so the function pointers) alive
         self.device = device_id
         self.launches = tuple(
-            (kernel.function.ptr, *item.grid, item.variant.threads, item.variant.smem_bytes)
+            (kernel.function.ptr, *item.grid, item.variant.threads, item.smem_bytes)
             for kernel, item in zip(loaded, plan.launches)
         )
         self.params = params.tobytes()

@@ -87,7 +87,7 @@ class FakeGPU:
             block = ctypes.string_at(params_address, params_dtype().itemsize)
             self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, block))
 
-    def get_kernel(self, variant, device_id, compute_capability):
+    def get_kernel(self, variant, device_id, compute_capability, launch_smem_bytes=0):
         return FakeKernel(variant)
 
     def install(self, setattr):

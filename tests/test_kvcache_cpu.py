@@ -55,9 +55,14 @@ def test_every_tile_fits_its_arch(arch):
         v = plans.variant("bfloat16", bucket, 0, arch)
         assert v.smem_bytes <= arch_caps(arch).smem_per_block
         assert v.smem_bytes == plans.smem_bytes(bucket, v.config.block_n, v.config.stages)
-        assert v.config.block_m == 64 and v.threads == 128
+        assert v.config.block_m == 64 and v.threads == 128 and v.config.warps_n == 1
+        few = plans.variant("bfloat16", bucket, 0, arch, plans.FEW)
+        assert few.smem_bytes <= arch_caps(arch).smem_per_block and few.threads == 128
+        assert few.smem_bytes == plans.smem_bytes(bucket, few.config.block_n, few.config.stages, plans.FEW_ROWS)
+        # 16 rows, the four warps splitting each key block, 16 keys or more each
+        assert few.config.block_m == plans.FEW_ROWS and few.config.warps_n == 4 and few.config.block_n >= 64
         for mod in plans.SCORE_MODS:
-            p = plans.variant("bfloat16", bucket, mod, arch, prefill=True)
+            p = plans.variant("bfloat16", bucket, mod, arch, plans.PREFILL)
             assert p.smem_bytes <= arch_caps(arch).smem_per_block
             assert p.smem_bytes == plans.smem_bytes(bucket, p.config.block_n, p.config.stages, p.config.block_m)
             assert p.threads == 32 * p.config.num_warps and p.config.block_m % (16 * p.config.num_warps) == 0
@@ -69,8 +74,15 @@ def test_plan_orders_append_kernel_combine():
     assert names == [plans.APPEND_NAME, plans.KERNEL_NAME, plans.COMBINE_NAME]
     assert p.num_splits > 1 and p.launches[1].grid == (p.num_splits, 8, 1)
     assert p.o_accum == (p.num_splits, 1, 32, 1, 128) and p.lse_accum == (p.num_splits, 1, 32, 1)
+    assert p.launches[1].variant.config.block_m == plans.FEW_ROWS  # one token of 4 heads: the few-row tile
     p1 = plans.plan("bfloat16", 64, 1, 32, 8, 128, 128, 0, 8192, False, None, 90, 132)
     assert [launch.variant.name for launch in p1.launches] == [plans.KERNEL_NAME] and p1.num_splits == 1
+    assert p1.launches[0].variant.config.warps_n == 4 and p1.launches[0].grid == (1, 8, 64)
+    # 4 tokens x 4 heads = 16 rows: still one few-row block; 17 tokens x 1 head (MHA chunk) too many
+    p4 = plans.plan("bfloat16", 2, 4, 8, 2, 128, 128, 0, 640, True, 1, 90, 132)
+    assert p4.launches[1].variant.config.block_m == plans.FEW_ROWS and p4.launches[1].grid == (1, 2, 2)
+    p5 = plans.plan("bfloat16", 2, 17, 8, 8, 128, 128, 0, 640, True, 1, 90, 132)
+    assert p5.launches[1].variant.config.block_m == plans.BLOCK_M
     # 77 tokens x 4 heads per group = 308 packed rows (>= PREFILL_ROWS): the prefill tile, 3 query blocks of 128
     p2 = plans.plan("float16", 2, 77, 8, 2, 96, 96, 1, 640, True, 3, 90, 132)
     assert p2.launches[1].variant.config.block_m == 128 and p2.launches[1].grid == (3 * 3, 2, 2)
@@ -88,7 +100,7 @@ def test_prefill_takes_the_forward_tile(arch):
 
     for bucket in (64, 128, 256):
         decode = plans.variant("bfloat16", bucket, 0, arch)
-        prefill = plans.variant("bfloat16", bucket, 0, arch, prefill=True)
+        prefill = plans.variant("bfloat16", bucket, 0, arch, plans.PREFILL)
         assert decode.config.block_m == plans.BLOCK_M
         assert (prefill.config.block_m, prefill.config.block_n, prefill.config.num_warps,
                 prefill.config.stages) == tile_sm80(arch, bucket, True)
@@ -113,7 +125,8 @@ def test_float32_takes_the_simt_kernel(arch):
     for bucket in HEAD_DIM_BUCKETS:
         for mod in plans.SCORE_MODS:
             decode = plans.variant("float32", bucket, mod, arch)
-            prefill = plans.variant("float32", bucket, mod, arch, prefill=True)
+            prefill = plans.variant("float32", bucket, mod, arch, plans.PREFILL)
+            assert plans.variant("float32", bucket, mod, arch, plans.FEW) == decode
             assert decode.source == plans.SIMT_SOURCE and decode.threads == simt.THREADS
             assert decode.config.block_m == plans.SIMT_DECODE_ROWS
             assert (prefill.config.block_m, prefill.config.block_n) == simt.forward_tiles(bucket)
@@ -178,6 +191,36 @@ def test_dense_call_splits_into_scratch(gpu):
     assert r["window_left"] == 100 and r["window_right"] == validation.UNBOUNDED_WINDOW
     assert r["kv_capacity"] == L and r["seqlen_new"] == 0
     assert record(gpu.launches[1][5])["o_accum"] == r["o_accum"]
+    # the few-row tile alone on its SM: the launch reserves more shared memory than the kernel uses
+    assert gpu.launches[0][3] == plans.smem_floor(90, 1) > plans.smem_bytes(D, 64, 2, plans.FEW_ROWS)
+    assert gpu.launches[1][3] == 0  # the combine
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_few_row_tile_runs_alone_on_its_sm_for_a_dense_cache(arch):
+    """One decoding token's group: the few-row tile, whose dense-cache launch reserves enough shared memory to
+    keep a second CTA off the SM, a paged cache's a third (within what a block may take); the other tiles'
+    launches reserve nothing."""
+    from cuflash.arch import arch_caps
+
+    caps = arch_caps(arch)
+    for ctas in (1, 2):
+        floor = plans.smem_floor(arch, ctas)
+        assert ctas * (floor + 1024) <= caps.smem_per_sm < (ctas + 1) * (floor + 1024)
+        assert floor <= caps.smem_per_block
+    for bucket in HEAD_DIM_BUCKETS:
+        dense = plans.plan("bfloat16", 2, 1, 32, 8, bucket, bucket, 0, 4096, True, None, arch, 132)
+        paged = plans.plan("bfloat16", 2, 1, 32, 8, bucket, bucket, 0, 4096, True, None, arch, 132, paged=True)
+        for p, ctas in ((dense, 1), (paged, 2)):
+            attention = p.launches[1]
+            assert attention.variant.config.warps_n == 4
+            assert attention.smem_floor == plans.smem_floor(arch, ctas)
+            assert attention.smem_bytes == max(attention.smem_floor, attention.variant.smem_bytes)
+            assert plans.ctas_per_sm(attention.variant, arch, attention.smem_floor) <= ctas
+        assert dense.launches[0].smem_floor == 0  # the append
+    for args in (("bfloat16", 2, 30, 32, 8, 128, 128, 0, 4096, True, 1, arch, 132),  # 120 rows: the 64-row tile
+                 ("float32", 2, 1, 32, 8, 128, 128, 0, 4096, True, 1, arch, 132)):  # the SIMT kernel
+        assert all(launch.smem_floor == 0 for launch in plans.plan(*args).launches)
 
 
 @pytest.mark.parametrize("change,error,match", [

@@ -98,6 +98,12 @@ CASES = [
     # no appended tokens; a query block bigger than a CTA (Sq x group > 64 rows)
     Case("bf16", (513, 2, 0), 600, 20, 16, 4, 128, causal=True, lengths="host"),
     Case("fp16", (0, 0), 64, 3, 4, 2, 64, snew=0),  # nothing cached: out 0, lse -inf
+    # the few-row tile (<= 16 packed rows, the warps splitting each key block) on narrow panels (D96, D80):
+    # 2 tokens of a group of 8 with causal + window and the heuristic's split; MHA decode with softcap over
+    # 7-row pages, forced split; 16 rows exactly (4 tokens x 4 heads) with ALiBi and a cache shorter than a block
+    Case("fp16", (3, 257, 1000), 1100, 2, 16, 2, 96, snew=2, causal=True, window=(300, 0), num_splits=None),
+    Case("bf16", (77, 1, 640), 700, 1, 6, 6, 80, snew=1, page_size=7, softcap=15.0, num_splits=2),
+    Case("bf16", (5, 40, 301), 320, 4, 8, 2, 128, snew=4, causal=True, alibi="bh", num_splits=None),
     # float32 (the SIMT kernel): decoding with the heuristic's split; a paged D256 MQA group of 16 (one 16-row
     # tile) through 13-row pages (row gathers) with softcap + ALiBi; chunked prefill on the decoding tile (Dv !=
     # D, window); the prefill tile (>= 64 packed rows) over whole 128-row pages and over 16-row pages with a

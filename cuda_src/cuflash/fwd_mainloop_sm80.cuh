@@ -29,17 +29,24 @@
 namespace cuflash {
 
 // The forward's compile-time shape, from the kernel's template arguments.
+// kWarpsN_: the warps that share a group of query rows, each taking its own kBlockN / kWarpsN keys of every
+// key block with its own online softmax (merge_key_split folds them together after the mainloop). 1 (every
+// forward): each warp owns kBlockM / kNWarps rows and all of a block's keys. 4: the KV cache's few-row
+// decoding tile (16 rows), where one warp alone would do all the math of a CTA (cuflash/kvcache.cuh).
 template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, int kMask_,
-          int kScoreMod_>
+          int kScoreMod_, int kWarpsN_ = 1>
 struct FwdConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_, kStages = kStages_;
     static constexpr int kMask = kMask_;  // MaskKind
     static constexpr int kThreads = kNWarps * 32;
-    static constexpr int kWarpRows = kBlockM / kNWarps;  // query rows a warp owns
+    static constexpr int kWarpsN = kWarpsN_;             // warps splitting the keys of a row group
+    static constexpr int kWarpsM = kNWarps / kWarpsN;    // row groups
+    static constexpr int kWarpRows = kBlockM / kWarpsM;  // query rows a warp owns
+    static constexpr int kWarpKeys = kBlockN / kWarpsN;  // keys of each block a warp owns
     static constexpr int kMTiles = kWarpRows / 16;
-    static constexpr int kNTiles = kBlockN / 8;          // score columns, in mma n8 tiles
+    static constexpr int kNTiles = kWarpKeys / 8;        // a warp's score columns, in mma n8 tiles
     static constexpr int kDTiles = kHeadDim / 8;         // output columns, in mma n8 tiles
     static constexpr int kAccRegisters = kMTiles * (kDTiles + kNTiles) * 4;  // fp32 acc_o + acc_s per thread
     static constexpr bool kFastLoads = kAccRegisters <= 160;                 // see load_tile
@@ -55,10 +62,16 @@ struct FwdConfig {
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
     static constexpr bool kBias = has_bias(kScoreMod_);
     using BiasTileT = BiasTile<Elem, kBlockM, kBlockN>;  // one step's staged bias (with kBias)
+    // This warp's first row within the block and first key within each key block.
+    static __device__ __forceinline__ int warp_row0() { return int(threadIdx.x) / 32 / kWarpsN * kWarpRows; }
+    static __device__ __forceinline__ int warp_key0() {
+        return kWarpsN == 1 ? 0 : int(threadIdx.x) / 32 % kWarpsN * kWarpKeys;
+    }
     static constexpr int kBiasSlotBytes = kBias ? BiasTileT::kBytes : 0;
     static_assert(sizeof(Elem) == 2, "the tensor-core forward takes fp16 or bf16");
     static_assert(kWarpRows % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
-    static_assert(kBlockN % 16 == 0, "P.V steps over 16 keys");
+    static_assert(kWarpKeys % 16 == 0, "P.V steps over 16 keys");
+    static_assert(kNWarps % kWarpsN == 0 && (kWarpsN == 1 || !kBias), "key-split warps take no staged bias");
     static_assert(kStages >= 1, "at least one K and one V buffer");
     // Powers of two, but 192 query rows (three warpgroups of the warp-specialized D64 tile) as well.
     static_assert(((kBlockM & (kBlockM - 1)) == 0 || kBlockM == 192) && (kBlockN & (kBlockN - 1)) == 0,
@@ -166,7 +179,7 @@ struct FwdWork {
         if constexpr (Cfg::kBias) {
             mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(ring_j, n));
         } else {
-            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN + Cfg::warp_key0());
         }
         // The lists' partial bit where the blocks have one; the analytic policies' warp-tile test otherwise.
         // (A constant `true && needs_mask` here changed the plain D128 wgmma loop's SASS and cost 6% on an
@@ -175,9 +188,10 @@ struct FwdWork {
         if constexpr (Cfg::Blocks::kListed) {
             maybe_hidden = blocks.masked(j);
         } else {
-            maybe_hidden = mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN, Cfg::kBlockN);
+            maybe_hidden = mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN + Cfg::warp_key0(),
+                                           Cfg::kWarpKeys);
         }
-        if (maybe_hidden) mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN);
+        if (maybe_hidden) mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN + Cfg::warp_key0());
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {
@@ -187,7 +201,7 @@ struct FwdWork {
     // After the softmax's exponentials (the row sums hold every probability): dropout's zeros, key block n.
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void drop(float (&acc_s)[kMTiles][kNTiles][4], int n) const {
-        dropout.drop_rows(acc_s, row_begin + warp_row0, n * Cfg::kBlockN);
+        dropout.drop_rows(acc_s, row_begin + warp_row0, n * Cfg::kBlockN + Cfg::warp_key0());
     }
 };
 
@@ -289,6 +303,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
 
         const LdmatrixLanes<kPanelCols> lanes(threadIdx.x % 32);
         const unsigned q_warp = this->smem_q + this->warp_row0 * QTile::kPanelRowBytes;
+        const unsigned kv_warp = Cfg::warp_key0() * Tile::kPanelRowBytes;  // this warp's keys of a K / V tile
         bool idle = false;  // (a warp-uniform branch around the math only)
         if constexpr (Cfg::kSkipIdleWarps) idle = this->row_begin + this->warp_row0 >= this->mask.rows;
         for (int j = 0; j < this->blocks.count(); ++j) {
@@ -301,7 +316,8 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
 
             float acc_s[kMTiles][kNTiles][4];
             if (!idle) {
-                gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot, lanes);
+                gemm_qk<Elem, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN>(acc_s, q_warp, this->loads.smem_k + slot + kv_warp,
+                                                                      lanes);
                 this->modify_and_mask(acc_s, j, n);
             }
 
@@ -312,7 +328,7 @@ struct FwdMainloopSm80 : FwdWork<Cfg, Loads_> {
             if (!idle) {
                 softmax.update(acc_s, acc_o, scale_log2);
                 this->drop(acc_s, n);
-                gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot, lanes);
+                gemm_pv<Elem, Cfg::kHeadDim, Cfg::kBlockN>(acc_o, acc_s, this->loads.smem_v + slot + kv_warp, lanes);
             }
         }
         sm80::cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit

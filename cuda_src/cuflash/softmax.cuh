@@ -20,6 +20,7 @@
 #pragma once
 
 #include "cuflash/numeric.cuh"
+#include "cuflash/tile.cuh"
 
 namespace cuflash {
 
@@ -166,6 +167,78 @@ struct OnlineSoftmax {
                 }
             }
         }
+    }
+};
+
+// Key-split warps (FwdConfig::kWarpsN > 1): the kWarpsN warps of a row group ran the online softmax over
+// their own keys of every key block. This folds their states into the group's first warp through `scratch`
+// (shared memory that no warp reads any more; the caller's barrier before the call makes it so): member w > 0
+// of a group stores its acc_o and each row's (m, l), 16-byte vectors in lane order, and after one barrier the
+// first warp rescales its own state and each member's to the larger maximum and adds them up, the merge that
+// max_step does for a new key block. A row no member saw stays empty (m -inf, l 0). Every thread of the CTA
+// calls it; it returns whether this warp holds the merged rows (the group's others are done).
+template <int kWarpsM, int kWarpsN, int kMTiles, int kDTiles>
+struct KeySplitMerge {
+    static constexpr int kVectors = kMTiles * (kDTiles + 1);  // per lane: acc_o, then (m, l) of each m-tile
+    static constexpr int kMemberBytes = kVectors * 32 * 16;
+    static constexpr int kScratchBytes = kWarpsN > 1 ? kWarpsM * (kWarpsN - 1) * kMemberBytes : 0;
+
+    static __device__ __forceinline__ bool run(OnlineSoftmax<kMTiles>& softmax, float (&acc_o)[kMTiles][kDTiles][4],
+                                               unsigned scratch, float scale_log2) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, member = warp % kWarpsN;
+        const unsigned group = scratch + unsigned(warp / kWarpsN * (kWarpsN - 1) * kMemberBytes);
+        const auto at = [&](int m, int vector) {
+            return group + unsigned((m - 1) * kMemberBytes + (vector * 32 + lane) * 16);
+        };
+        if (member > 0) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+                    const float* c = acc_o[mt][dt];
+                    st_shared_b128(at(member, mt * kDTiles + dt), make_uint4(__float_as_uint(c[0]), __float_as_uint(c[1]),
+                                                                             __float_as_uint(c[2]), __float_as_uint(c[3])));
+                }
+                st_shared_b128(at(member, kMTiles * kDTiles + mt),
+                               make_uint4(__float_as_uint(softmax.row_max[mt][0]), __float_as_uint(softmax.row_max[mt][1]),
+                                          __float_as_uint(softmax.row_sum[mt][0]), __float_as_uint(softmax.row_sum[mt][1])));
+            }
+        }
+        __syncthreads();
+        if (member > 0) return false;
+#pragma unroll 1
+        for (int m = 1; m < kWarpsN; ++m) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                const uint4 stats = ld_shared_b128(at(m, kMTiles * kDTiles + mt));
+                const float other_max[2] = {__uint_as_float(stats.x), __uint_as_float(stats.y)};
+                const float other_sum[2] = {__uint_as_float(stats.z), __uint_as_float(stats.w)};
+                float own_ratio[2], other_ratio[2];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float m_own = softmax.row_max[mt][half];
+                    const float m_new = fmaxf(m_own, other_max[half]);
+                    // As in max_step: an equal maximum (also -inf twice) keeps exactly 1; -inf against a finite
+                    // maximum gives exp2(-inf) = 0 for a state that is still all 0.
+                    own_ratio[half] = m_own == m_new ? 1.f : fast_exp2((m_own - m_new) * scale_log2);
+                    other_ratio[half] = other_max[half] == m_new ? 1.f : fast_exp2((other_max[half] - m_new) * scale_log2);
+                    softmax.row_sum[mt][half] = softmax.row_sum[mt][half] * own_ratio[half] +
+                                                other_sum[half] * other_ratio[half];
+                    softmax.row_max[mt][half] = m_new;
+                }
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+                    const uint4 v = ld_shared_b128(at(m, mt * kDTiles + dt));
+                    const float other[4] = {__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                                            __uint_as_float(v.w)};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        acc_o[mt][dt][e] = acc_o[mt][dt][e] * own_ratio[e / 2] + other[e] * other_ratio[e / 2];
+                    }
+                }
+            }
+        }
+        return true;
     }
 };
 

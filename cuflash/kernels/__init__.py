@@ -156,6 +156,15 @@ class KernelVariant:
 class Launch:
     variant: KernelVariant
     grid: tuple  # (x, y, z)
+    # Dynamic shared memory the launch reserves at least, beyond what the kernel uses (variant.smem_bytes), to
+    # keep CTAs off an SM: a streaming kernel whose CTAs read faster alone (the KV cache's few-row decoding
+    # tile, cuflash/kernels/kvcache.py). 0: the kernel's own bytes.
+    smem_floor: int = 0
+
+    @property
+    def smem_bytes(self) -> int:
+        """The dynamic shared memory the launch asks for."""
+        return max(self.variant.smem_bytes, self.smem_floor)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,15 @@ Launches, in order on one stream: the append (when k_new is given), the attentio
 ``Sq x G`` query rows of a kv head (G = H / Hkv query heads packed with their tokens, so a group reads the
 cache once: cuda_src/cuflash/kvcache.cuh).
 
-Tiles. The attention kernel runs the forward's mma.sync mainloop with 4 warps of 16 rows (kBlockM = 64):
-decoding is bound by reading the cache, not by the tensor cores, and 64 rows hold a whole group of up to 64
-heads for one token. From PREFILL_ROWS packed rows per kv head (chunked prefill) it takes the mma.sync
-forward's own tile instead (128 rows of 32-row warps where that tile has them), which reads each K / V tile
-for twice the rows (H100, bf16, B4 H32 / Hkv8 D128, 512 new tokens over 8k cached, causal: 213 -> 339 TFLOPS,
-0.61x -> 0.97x FlashAttention-2, session 11 run 4). Keys per step and stages: :func:`tile` (bytes in flight per SM), shedding stages, then
-keys, on parts with less shared memory.
+Tiles (:func:`tile_kind`). A decoding token's group (up to FEW_ROWS = 16 packed rows: GQA groups of 4 or 8)
+takes the few-row tile: 16 rows x 64 keys (128 up to D64), the four warps each taking a quarter of every key
+block with its own online softmax, merged once at the end; a dense cache's launch keeps one CTA per SM
+(:func:`few_tile`). Up to PREFILL_ROWS packed rows, the 64-row decoding tile (4 warps of 16 rows,
+:func:`tile`), which reads each K / V tile once for up to 64 rows. From PREFILL_ROWS rows (chunked prefill) it
+takes the mma.sync forward's own tile instead (128 rows of 32-row warps where that tile has them), which reads
+each K / V tile for twice the rows (H100, bf16, B4 H32 / Hkv8 D128, 512 new tokens over 8k cached, causal: 213 ->
+339 TFLOPS, 0.61x -> 0.97x FlashAttention-2, session 11 run 4). Keys per step and stages shed stages, then keys,
+on parts with less shared memory.
 
 float32 runs ``cuda_src/flash_kvcache_simt.cu``: the true-fp32 forward's key loop (FFMA only, as
 ``cuflash/kernels/simt.py``'s kernels) with the same packed rows, mask, pages, splits and combine. Its decoding
@@ -44,6 +46,10 @@ DTYPES = ("float16", "bfloat16", "float32")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 SCORE_MODS = (MOD_NONE, MOD_SOFTCAP_ALIBI)
 BLOCK_M, WARPS = 64, 4
+#: Tile kinds (:func:`tile_kind`): a token's GQA group (up to FEW_ROWS packed rows, the warps splitting the
+#: keys), the 64-row decoding tile, the prefill tile.
+FEW, DECODE, PREFILL = "few", "decode", "prefill"
+FEW_ROWS = 16
 #: Packed query rows per kv head (Sq x H / Hkv) from which a call takes the prefill tile (two of its 128-row
 #: blocks): chunked prefill. Below it the 64-row decoding tile, which a single token's group fills better.
 PREFILL_ROWS = 256
@@ -58,7 +64,8 @@ ELEM_BYTES = 2
 
 @dataclass(frozen=True)
 class KvConfig:
-    """``flash_kvcache_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod, kPanelCols>``."""
+    """``flash_kvcache_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kScoreMod, kPanelCols,
+    kWarpsN>``."""
 
     dtype: str
     head_dim: int  # the head-dim bucket
@@ -68,6 +75,7 @@ class KvConfig:
     stages: int
     score_mod: int  # MOD_NONE or MOD_SOFTCAP_ALIBI
     panel_cols: int  # shared-memory tile panels: 64 (wide) for decoding where D allows, 32; see variant()
+    warps_n: int  # warps splitting each key block (the few-row tile), else 1; see variant()
 
 
 @dataclass(frozen=True)
@@ -142,19 +150,62 @@ def simt_variant(head_dim_bucket: int, score_mod: int, prefill: bool = False) ->
     return KernelVariant(SIMT_SOURCE, SIMT_KERNEL_NAME, config, simt.THREADS, smem)
 
 
-def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, prefill: bool = False) -> KernelVariant:
-    """The decoding tile (:func:`tile`), or with ``prefill`` the mma.sync forward's own (128 query rows per CTA:
-    :func:`cuflash.kernels.forward.tile_sm80`), for calls with at least PREFILL_ROWS packed query rows per kv
-    head, which are bound by the tensor cores rather than by reading the cache."""
+def few_tile(arch: int, head_dim_bucket: int) -> tuple:
+    """(kBlockN, kStages) of the few-row tile (FEW_ROWS packed rows, the four warps splitting each key block:
+    at least 64 keys, 16 per warp): 128 keys up to D64, 64 above, two stages (one fewer on parts whose shared
+    memory cannot hold them). A dense cache's launch keeps it alone on its SM, a paged cache's two to an SM (:func:`smem_floor`).
+    Measured (H100, bf16, H32 / Hkv8 D128, GB/s B64 L8k / B1 L128k at 16 splits, cuDNN 3080-3093 / 2951-2958,
+    session 16): 64 x 2 alone 3122 / 2941-2980; 64 x 2 three to an SM 2835-2969 / 2941-2982, two 3077 / 2942;
+    64 x 3 two to an SM (the 64-row tile's) 3052-3056 / 2865-2880, alone 3092 / 2864; 128 x 2 (alone by its size)
+    3077-3089 / 2888-2900; 64 x 4, 64 x 6, 128 x 1, 128 x 3 all below. Streaming the cache, fewer CTAs with two
+    stages in flight each read faster than more CTAs or deeper pipelines; more splits (33, 49, 66: two or more
+    waves) read slower at 128k (2831, 2736, 2714)."""
+    block_n, stages = (128 if head_dim_bucket <= 64 else 64), 2
+    while smem_bytes(head_dim_bucket, block_n, stages, FEW_ROWS) > arch_caps(arch).smem_per_block:
+        if stages == 1:
+            raise AssertionError(f"no few-row KV-cache tile fits D{head_dim_bucket} on sm_{arch}")
+        stages -= 1
+    return block_n, stages
+
+
+def smem_floor(arch: int, ctas: int) -> int:
+    """Dynamic shared memory per launch (Launch.smem_floor) that keeps more than ``ctas`` CTAs off an SM: more
+    than its share of the SM's, counting the 1 KB each CTA's system reservation takes."""
+    return arch_caps(arch).smem_per_sm // (ctas + 1) + 4096
+
+
+def tile_kind(dtype: str, rows: int) -> str:
+    """The tile for ``rows`` packed query rows per kv head (Sq x H / Hkv): FEW up to FEW_ROWS (a decoding
+    token's group: the warps split the keys), DECODE below the prefill threshold, PREFILL from it."""
+    if rows >= (SIMT_PREFILL_ROWS if dtype == "float32" else PREFILL_ROWS):
+        return PREFILL
+    return FEW if rows <= FEW_ROWS else DECODE
+
+
+def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, kind: str = DECODE) -> KernelVariant:
+    """The kernel of one tile kind (:func:`tile_kind`).
+
+    - FEW: FEW_ROWS query rows x :func:`few_tile`'s keys, the four warps each taking a quarter of every key
+      block with its own online softmax, merged at the end (cuda_src/flash_kvcache.cu). A decoding token's
+      group (4 or 8 heads) fills a quarter or half of one warp's 16 rows; with 16 rows per warp (DECODE's
+      layout) one warp of four would do all the math and read all of K and V from shared memory alone.
+    - DECODE: BLOCK_M rows, 16 per warp, :func:`tile`'s keys and stages.
+    - PREFILL: the mma.sync forward's own tile (128 query rows per CTA: :func:`cuflash.kernels.forward.tile_sm80`),
+      for calls with at least PREFILL_ROWS packed query rows per kv head, which are bound by the tensor cores
+      rather than by reading the cache.
+    float32 runs the SIMT kernel (:func:`simt_variant`), whose decoding tile serves FEW and DECODE."""
     if dtype not in DTYPES:
         raise ValueError(f"the KV-cache kernel takes float16, bfloat16 or float32; got {dtype=}")
     if score_mod not in SCORE_MODS:
         raise ValueError(f"the KV-cache kernel takes no bias; got {score_mod=}")
     if not arch_caps(arch).has_cp_async:
         raise ValueError(f"the KV-cache kernel needs sm_80 or later; got {arch=}")
+    if kind not in (FEW, DECODE, PREFILL):
+        raise ValueError(f"unknown KV-cache tile kind {kind!r}")
     if dtype == "float32":
-        return simt_variant(head_dim_bucket, score_mod, prefill)
-    if prefill:
+        return simt_variant(head_dim_bucket, score_mod, kind == PREFILL)
+    warps_n = 1
+    if kind == PREFILL:
         from .forward import tile_sm80
 
         block_m, block_n, warps, stages = tile_sm80(arch, head_dim_bucket, True, heavy=score_mod != MOD_NONE)
@@ -163,14 +214,16 @@ def variant(dtype: str, head_dim_bucket: int, score_mod: int, arch: int, prefill
             # (NVRTC 13.5; without them 64, as the forward declares); 32 keys x 2 stages keeps acc + S at 160
             # and spills nothing. (sm_80 prefill tiles with softcap / ALiBi spill 16 at D32 and 40 at D96.)
             block_n, stages = 32, 2
+    elif kind == FEW:
+        (block_n, stages), block_m, warps, warps_n = few_tile(arch, head_dim_bucket), FEW_ROWS, WARPS, WARPS
     else:
         (block_n, stages), block_m, warps = tile(arch, head_dim_bucket), BLOCK_M, WARPS
     # Decoding streams the cache: wide panels (rows of whole 128-byte lines, where D is a multiple of 64) halve
     # the L2 requests of its copies. H100, B64 H32/8 L8k D128: 2929 -> 3053 GB/s, B1 L128k 2730 -> 2834
     # (session 15, run 4). The prefill tiles are bound by the tensor cores and keep narrow panels (the D64
     # 128 x 128 tile spilled 32 bytes wide).
-    panel_cols = 64 if not prefill and head_dim_bucket % 64 == 0 else 32
-    config = KvConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(score_mod), panel_cols)
+    panel_cols = 64 if kind != PREFILL and head_dim_bucket % 64 == 0 else 32
+    config = KvConfig(dtype, head_dim_bucket, block_m, block_n, warps, stages, int(score_mod), panel_cols, warps_n)
     return KernelVariant(SOURCE, KERNEL_NAME, config, warps * 32, smem_bytes(head_dim_bucket, block_n, stages, block_m))
 
 
@@ -183,12 +236,13 @@ def combine_variant(dtype: str) -> KernelVariant:
 
 
 
-def ctas_per_sm(v: KernelVariant, arch: int) -> int:
-    """How many of the attention kernel's CTAs share an SM: shared memory bound for the tensor-core kernel (4
-    warps never hit the register or thread limits first at these tiles); the fp32 kernel's 256 threads are
-    also register bound (its launch bounds: two CTAs of <= 128 registers, one with softcap / ALiBi)."""
+def ctas_per_sm(v: KernelVariant, arch: int, floor: int = 0) -> int:
+    """How many of the attention kernel's CTAs share an SM (launched with ``floor`` bytes of shared memory at
+    least): shared memory bound for the tensor-core kernel (4 warps never hit the register or thread limits
+    first at these tiles); the fp32 kernel's 256 threads are also register bound (its launch bounds: two CTAs
+    of <= 128 registers, one with softcap / ALiBi)."""
     caps = arch_caps(arch)
-    by_smem = max(1, caps.smem_per_sm // (v.smem_bytes + 1024))
+    by_smem = max(1, caps.smem_per_sm // (max(v.smem_bytes, floor) + 1024))
     if isinstance(v.config, KvSimtConfig):
         return min(by_smem, 2 if v.config.score_mod == MOD_NONE else 1)
     return by_smem
@@ -236,18 +290,22 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
          num_sms: int, paged: bool = False) -> KvPlan:
     """``longest_keys``: the most keys any batch can attend to (the cache's capacity, or the known lengths)."""
     group = num_heads // num_heads_k
-    prefill_rows = SIMT_PREFILL_ROWS if dtype == "float32" else PREFILL_ROWS
-    v = variant(dtype, head_dim_bucket, score_mod, arch, prefill=seqlen_q * group >= prefill_rows)
+    v = variant(dtype, head_dim_bucket, score_mod, arch, tile_kind(dtype, seqlen_q * group))
     m_blocks = -(-(seqlen_q * group) // v.config.block_m)
     key_blocks = max(1, -(-longest_keys // v.config.block_n))
+    # The few-row tile reads a dense cache fastest one CTA to an SM (few_tile); a paged cache wants a second
+    # CTA per SM for the page lookups' latency (num_splits_heuristic), no more.
+    floor = 0
+    if isinstance(v.config, KvConfig) and v.config.warps_n > 1:
+        floor = smem_floor(arch, 2 if paged else 1)
     if num_splits is None:
-        slots = num_sms * (ctas_per_sm(v, arch) if paged else 1)
+        slots = num_sms * (ctas_per_sm(v, arch, floor) if paged else 1)
         num_splits = num_splits_heuristic(batch * num_heads_k * m_blocks, key_blocks, slots)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, key_blocks))
     launches = []
     if append:
         launches.append(Launch(append_variant(dtype), (2 * num_sms, 1, 1)))
-    launches.append(Launch(v, (m_blocks * num_splits, num_heads_k, batch)))
+    launches.append(Launch(v, (m_blocks * num_splits, num_heads_k, batch), floor))
     o_accum = lse_accum = None
     if num_splits > 1:
         rows = batch * num_heads * seqlen_q
@@ -261,9 +319,10 @@ def plan(dtype: str, batch: int, seqlen_q: int, num_heads: int, num_heads_k: int
 def all_variants(arch: int) -> list:
     if not arch_caps(arch).has_cp_async:
         return []
-    attention = {variant(dtype, bucket, mod, arch, prefill) for dtype in TENSOR_CORE_DTYPES
-                 for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS for prefill in (False, True)}
-    out = sorted(attention, key=lambda v: (v.config.dtype, v.config.head_dim, v.config.score_mod, v.config.block_m))
+    attention = {variant(dtype, bucket, mod, arch, kind) for dtype in TENSOR_CORE_DTYPES
+                 for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS for kind in (FEW, DECODE, PREFILL)}
+    out = sorted(attention, key=lambda v: (v.config.dtype, v.config.head_dim, v.config.score_mod, v.config.block_m,
+                                           v.config.block_n, v.config.stages, v.config.warps_n))
     simt = {simt_variant(bucket, mod, prefill) for bucket in HEAD_DIM_BUCKETS for mod in SCORE_MODS
             for prefill in (False, True)}
     out += sorted(simt, key=lambda v: (v.config.head_dim, v.config.score_mod, v.config.block_m))
