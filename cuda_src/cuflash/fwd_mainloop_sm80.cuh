@@ -30,7 +30,7 @@ namespace cuflash {
 
 // The forward's compile-time shape, from the kernel's template arguments.
 // kWarpsN_: the warps that share a group of query rows, each taking its own kBlockN / kWarpsN keys of every
-// key block with its own online softmax (merge_key_split folds them together after the mainloop). 1 (every
+// key block with its own online softmax (KeySplitMerge folds them together after the mainloop). 1 (every
 // forward): each warp owns kBlockM / kNWarps rows and all of a block's keys. 4: the KV cache's few-row
 // decoding tile (16 rows), where one warp alone would do all the math of a CTA (cuflash/kvcache.cuh).
 template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, int kMask_,
