@@ -25,7 +25,21 @@ def test_mqa_block_takes_two_heads_and_halves_the_partials(deterministic):
     assert dkdv.grid == (16, 4, 2)
     scratch = plan.scratch_dict()
     assert scratch["dk_accum"] == scratch["dv_accum"] == (2, 4, 1024, 256)
-    assert len(_launch(plan, "flash_bwd_reduce_dkdv_kernel")) == 1
+    (reduce,) = _launch(plan, "flash_bwd_reduce_dkdv_kernel")
+    assert reduce.variant.config.block_rows == 4 and reduce.grid == (256, 1, 2)  # one 8-column chunk per thread
+
+
+@pytest.mark.parametrize("bucket", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_reduce_blocks_cover_the_keys_with_a_chunk_per_thread(bucket):
+    """The GQA reduce: each of its threads sums one 8-column chunk of dK and of dV (at most one per thread, all
+    of them but for the buckets that do not divide 1024), and its blocks cover every key row (odd Sk too)."""
+    v = backward.reduce_dkdv_variant("bfloat16", bucket)
+    rows, chunks = v.config.block_rows, bucket // 8
+    assert rows * chunks <= v.threads and (rows + 1) * chunks > v.threads
+    shape = ProblemShape(1, 999, 777, 6, 2, bucket, bucket, "bfloat16", False)
+    plan = backward.plan_backward(shape, 90, False, num_sms=132)
+    (item,) = _launch(plan, "flash_bwd_reduce_dkdv_kernel")  # one query head per block: partials, reduced
+    assert item.grid[0] * rows >= 777 > (item.grid[0] - 1) * rows and item.grid[1:] == (2, 1)
 
 
 @pytest.mark.parametrize("shape", [_shape(2, 1024, 8, 1, 256, causal=True), _shape(4, 4096, 32, 8, 128, causal=True)])
