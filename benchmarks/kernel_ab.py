@@ -67,6 +67,14 @@ def profile(tree: Path, cell: str, args) -> dict:
     return {k: v[-args.calls:] if len(v) == launches else v for k, v in times.items()}
 
 
+def _counterpart(kernel: str, result: dict, reference: dict):
+    """The one kernel of ``result`` in ``kernel``'s family (the name before its template arguments) that the
+    reference tree did not launch, or None."""
+    family = kernel.split("<")[0]
+    others = [k for k in result if k.split("<")[0] == family and k not in reference]
+    return others[0] if len(others) == 1 else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs="+", help="LABEL=PATH, the first is the reference")
@@ -90,10 +98,16 @@ def main() -> int:
     for cell in args.cells.split(","):
         results = [profile(path, cell, args) for _, path in trees]
         for kernel in results[0]:
-            medians = [statistics.median(r[kernel]) if kernel in r else float("nan") for r in results]
+            # A tree whose variant of this kernel has other template arguments (a tile or mainloop change): its
+            # one kernel of the same family that the reference lacks, named below the line.
+            matched = [kernel if kernel in r else _counterpart(kernel, r, results[0]) for r in results]
+            medians = [statistics.median(r[k]) if k is not None else float("nan") for r, k in zip(results, matched)]
             line = f"{cell:34s} {kernel[:58]:58s} " + " ".join(f"{m:10.1f}" for m in medians)
             line += "".join(f" {m / medians[0]:10.3f}" for m in medians[1:])
             print(line, flush=True)
+            for (label, _), k in zip(trees[1:], matched[1:]):
+                if k is not None and k != kernel:
+                    print(f"{'':34s}   {label}: {k[:80]}", flush=True)
     return 0
 
 

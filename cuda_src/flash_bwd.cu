@@ -122,7 +122,9 @@ template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, in
           int kMainloop>
 __global__ void __launch_bounds__(kMainloop == kDkdvMainloopSm90Ws ? 384 : kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params) {
-    using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq>;
+    // The warp-specialized mainloop's atomic path stages a bias in its dS tiles (DkdvConfig's kBiasInDs).
+    using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq,
+                           kMainloop == kDkdvMainloopSm90Ws && has_bias(kScoreMod) && kAtomicDq>;
     using Mainloop = conditional_t<kMainloop == kDkdvMainloopSm90Ws, DkdvMainloopSm90Ws<Cfg>,
                                    conditional_t<kMainloop == kDkdvMainloopSm90, DkdvMainloopSm90<Cfg>,
                                                  DkdvMainloopSm80<Cfg>>>;

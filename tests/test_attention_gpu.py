@@ -290,6 +290,87 @@ def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
     gu.check_attention(dataclasses.replace(p, deterministic=deterministic))
 
 
+# A bias on the dK/dV mainloops of sm_90a. On the warp-specialized one's atomic path the producer stages the
+# bias in the step's dS tile and the consumers write dS over it ([query][key]): staged and read directly
+# (Sk = 517: rows not 16-byte aligned; "rows": stride 0 over the keys), dbias from the tile or per element
+# (broadcast biases sum with atomics), -inf rows, ALiBi, the general mask, odd tails, both backward modes.
+BIAS_BACKWARD_PROBLEMS = BIAS_MAINLOOP_PROBLEMS[:3] + (
+    Problem("bf16", B=2, Sq=333, Sk=517, H=4, Hkv=2, D=128, bias="full"),
+    Problem("fp16", B=2, Sq=200, Sk=136, H=4, Hkv=1, D=128, bias="rows", causal=True),
+    Problem("bf16", B=1, Sq=300, Sk=640, H=6, Hkv=3, D=128, bias="heads", alibi="h", causal=True),
+    Problem("bf16", B=2, Sq=250, Sk=250, H=4, Hkv=4, D=128, bias="large", segments="docs", causal=True),
+    Problem("fp16", B=2, Sq=190, Sk=320, H=2, Hkv=1, D=128, bias="expanded", window=(100, 30)),
+)
+
+
+def _bias_backward_kinds(p: Problem) -> tuple:
+    """(head-dim bucket, mask kind, score_mod) of a bias problem's dK/dV variant."""
+    from cuflash import kernels
+
+    general = p.window is not None or p.segments is not None or p.blocks is not None or p.mask is not None
+    mask = kernels.MASK_GENERAL if general else int(p.causal)
+    mod = kernels.MOD_BIAS_SOFTCAP if p.softcap else kernels.MOD_BIAS
+    return kernels.head_dim_bucket(max(p.D, p.dv)), mask, mod
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+@pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
+@pytest.mark.parametrize("p", BIAS_BACKWARD_PROBLEMS, ids=gu.problem_ids(BIAS_BACKWARD_PROBLEMS))
+def test_bias_on_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
+    import cupy
+
+    from cuflash.kernels import backward
+
+    if cupy.cuda.Device(0).compute_capability != "90":
+        pytest.skip("the wgmma mainloops need an sm_90 GPU")
+    kind = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
+            "sm90_ws": backward.MAINLOOP_SM90_WS}[mainloop]
+    bucket, mask, mod = _bias_backward_kinds(p)
+    if kind != backward.MAINLOOP_SM80 and not backward.uses_wgmma(90, bucket, mod):
+        pytest.skip(f"no wgmma dK/dV tile for D{bucket} with score_mod {mod}")
+    if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, mask, mod):
+        pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}, mask {mask}, score_mod {mod}")
+    picked = []
+
+    def pick(arch, bucket_, mask_, mod_, atomic_dq):
+        picked.append((bucket_, mask_, mod_))
+        return kind
+
+    full = {"heads": p.B == 1, "kv": p.H == p.Hkv, "keys": p.Sq == 1 and p.H == 1, "rows": p.Sk == 1}.get(p.bias, True)
+    if deterministic and not full:
+        pytest.skip("a broadcast bias's dbias is summed with atomics: deterministic=True refuses it")
+    monkeypatch.setattr(backward, "dkdv_mainloop", pick)
+    own_plan_caches(monkeypatch)
+    gu.check_attention(dataclasses.replace(p, deterministic=deterministic))
+    assert (bucket, mask, mod) in picked, picked
+
+
+@pytest.mark.parametrize("p", [q for q in BIAS_BACKWARD_PROBLEMS if not q.softcap and q.D == 128],
+                         ids=gu.problem_ids([q for q in BIAS_BACKWARD_PROBLEMS if not q.softcap and q.D == 128]))
+def test_bias_backward_mainloops_agree_bitwise(p, monkeypatch):
+    """The warp-specialized dK/dV mainloop computes every P and dS as the 8-warp one does (the same step
+    code, the bias read from a differently laid out tile): dK, dV and dbias are bit-identical; dQ differs only
+    by the order of its float adds."""
+    import cupy
+
+    from cuflash.kernels import backward
+
+    if cupy.cuda.Device(0).compute_capability != "90":
+        pytest.skip("the wgmma mainloops need an sm_90 GPU")
+    x = gu.make_inputs(p)
+    results = {}
+    for kind in (backward.MAINLOOP_SM90, backward.MAINLOOP_SM90_WS):
+        monkeypatch.setattr(backward, "dkdv_mainloop", lambda *args, kind=kind, **kwargs: kind)
+        own_plan_caches(monkeypatch)
+        results[kind] = gu.run_cuflash(p, x)
+    a, b = results[backward.MAINLOOP_SM90], results[backward.MAINLOOP_SM90_WS]
+    for name in ("dk", "dv") + (("dbias",) if p.bias in ("full", "neginf", "large") else ()):
+        assert gu.bit_identical(getattr(a, name), getattr(b, name)), f"{p.id}: {name} differs between the mainloops"
+    dq_a, dq_b = gu.to_f64(a.dq), gu.to_f64(b.dq)
+    assert bool(cupy.all(cupy.isfinite(dq_b))), f"{p.id}: dq not finite"
+    assert float(cupy.max(cupy.abs(dq_a - dq_b))) <= 2.0 ** -6 * float(cupy.max(cupy.abs(dq_a))), p.id
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_forward_is_bit_identical(dtype, causal):

@@ -137,6 +137,41 @@ def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     assert grid(True, arch=80) == (8, 16, 16)
 
 
+@pytest.mark.parametrize("bucket", (64, 128, 256))
+@pytest.mark.parametrize("mask", kernels.MASK_KINDS)
+@pytest.mark.parametrize("score_mod", kernels.SCORE_MODS)
+@pytest.mark.parametrize("atomic", (True, False))
+def test_warp_specialized_dkdv_mainloop_where_it_fits(bucket, mask, score_mod, atomic):
+    """sm_90a's dK/dV kernel takes the warp-specialized mainloop exactly where ws_fits says (D64 / D128 without
+    a bool mask, dropout or modifier, and D128 with a bias alone); its shared memory fits. With a bias on the
+    atomic path the bias tiles live in the dS tiles: the same bytes as the variant without a bias."""
+    v = backward.dkdv_variant(90, "bfloat16", bucket, mask, atomic, score_mod)
+    ws = backward.ws_fits(bucket, mask, score_mod) and backward.uses_wgmma(90, bucket, score_mod)
+    assert (v.config.mainloop == backward.MAINLOOP_SM90_WS) == ws
+    assert v.smem_bytes <= 227 * 1024
+    if ws:
+        assert v.threads == 8 * 32 + backward.PRODUCER_THREADS
+        plain = backward.dkdv_variant(90, "bfloat16", bucket, mask, atomic, kernels.MOD_NONE)
+        if kernels.has_bias(score_mod) and not atomic:  # DkdvConfig's own two staged tiles, padded rows
+            assert v.smem_bytes == plain.smem_bytes + 2 * v.config.block_m * (v.config.block_n * 2 + 16)
+        else:
+            assert v.smem_bytes == plain.smem_bytes
+    assert (score_mod != kernels.MOD_BIAS or bucket != 128 or mask not in (0, 1, 2)) or ws
+    assert backward.dkdv_variant(80, "bfloat16", bucket, mask, atomic, score_mod).config.mainloop == backward.MAINLOOP_SM80
+
+
+def test_deterministic_bias_backward_orders_the_dq_adds_on_sm90():
+    """A D128 bias (no softcap) without a mask or causal: the deterministic backward runs the warp-specialized
+    dK/dV kernel with its ordered dQ adds, as without the bias; under a general mask it keeps the dQ kernel."""
+    shape = ProblemShape(2, 1000, 777, 8, 2, 128, 128, "bfloat16", True, score_mod=kernels.MOD_BIAS)
+    names = [launch.variant.name for launch in kernels.plan_backward(shape, 90, True).launches]
+    assert "cuflash::flash_bwd_dq_kernel" not in names
+    general = ProblemShape(2, 1000, 777, 8, 2, 128, 128, "bfloat16", True, score_mod=kernels.MOD_BIAS,
+                           general_mask=True)
+    names = [launch.variant.name for launch in kernels.plan_backward(general, 90, True).launches]
+    assert "cuflash::flash_bwd_dq_kernel" in names
+
+
 @pytest.mark.parametrize("arch", (80, 86, 90))
 def test_dq_accum_slack_covers_every_dkdv_query_block(arch):
     """The wgmma dQ step adds whole query blocks with no bounds test, into rows the pre-pass zeroed up to a

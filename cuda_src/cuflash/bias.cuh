@@ -11,7 +11,10 @@
 //           clamped into the sequence: any strides (a key-broadcast bias has column stride 0), and the
 //           kernels that stage nothing (the deterministic dQ kernel, the fp32 SIMT kernels).
 // Tiles are row-major [row][key] with a 16-byte pad per row: the C-fragment reads (8 rows x 4 column pairs
-// per instruction) and the transposed ones (8 keys x 4 rows) then touch 32 distinct banks.
+// per instruction) and the transposed ones (8 keys x 4 rows) then touch 32 distinct banks. The
+// warp-specialized dK/dV mainloop stages its bias in the step's dS tile instead (BiasPanelTile: the same
+// [row][key] order in the 128-byte-swizzled panels of cuflash/tile.cuh, no pad), where each warp later
+// writes dS over exactly the elements it read.
 // dbias: store_grad writes dS for one (row, col): a store where each dbias element has one writer (a bias
 // with an element per score), an fp32 atomic add into params.dbias_accum where it broadcasts.
 #pragma once
@@ -28,6 +31,14 @@ struct BiasTileRef {
     unsigned smem;
     int row0, col0, pitch;
     static __device__ __forceinline__ BiasTileRef none() { return BiasTileRef{0u, 0, 0, 0}; }
+};
+
+// A staged BiasPanelTile (below): its address and the (row, col) of its first element; kPanelBytes apart
+// per 64 columns. A type of its own, so the reads through it are fixed at compile time.
+template <int kPanelBytes>
+struct BiasPanelRef {
+    unsigned smem;
+    int row0, col0;
 };
 
 // The shared-memory tile of kRows rows x kCols keys, and its copy from global memory.
@@ -62,11 +73,48 @@ struct BiasTile {
     }
 };
 
+// The bias tile of kRows rows x kCols keys in the wide-panel layout of PanelTile<kRows, kCols> (kCols a
+// multiple of 64): what the warp-specialized dK/dV mainloop's producer copies into a step's dS tile.
+template <typename Elem, int kRows, int kCols>
+struct BiasPanelTile {
+    using Tile = PanelTile<kRows, kCols>;
+    static constexpr int kBytes = Tile::kBytes;
+    static_assert(sizeof(Elem) == 2 && Tile::kGroup == 8 && Tile::kPanelCols == 64, "16-bit wide panels");
+
+    static __device__ __forceinline__ BiasPanelRef<Tile::kPanelBytes> ref(unsigned smem, int row0, int col0) {
+        return BiasPanelRef<Tile::kPanelBytes>{smem, row0, col0};
+    }
+
+    // As BiasTile::copy (zero-filled past Sq / Sk to the element), each thread keeping one 16-byte chunk
+    // column and walking rows kThreads / kChunks apart (a multiple of the swizzle period: the shared offset
+    // and the source advance by constants).
+    template <int kThreads>
+    static __device__ __forceinline__ void copy(unsigned smem, const AttnParams& p, int b, int h, int row0, int col0,
+                                                int tid) {
+        constexpr int kChunks = Tile::kChunks, kRowStep = kThreads / kChunks;
+        static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "bad bias row walk");
+        const Elem* base = static_cast<const Elem*>(p.bias) + b * p.bias_batch_stride +
+                           (h / p.bias_head_div) * p.bias_head_stride;
+        const int row = tid / kChunks, chunk = tid % kChunks;
+        const int rows_left = p.seqlen_q - row0 - row;
+        const int bytes = max(0, min(16, (p.seqlen_k - col0 - chunk * 8) * 2));
+        const Elem* src = base + (row0 + row) * p.bias_row_stride + col0 + chunk * 8;
+        const unsigned dst = smem + Tile::chunk_offset(row, chunk);
+#pragma unroll
+        for (int it = 0; it < kRows / kRowStep; ++it) {
+            const int n = it * kRowStep < rows_left ? bytes : 0;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + it * kRowStep * Tile::kRowBytes),
+                         "l"(n > 0 ? src + it * kRowStep * p.bias_row_stride : base), "r"(n));
+        }
+    }
+};
+
 // The bias of one (batch, head), read staged or directly (see the top of the file). Empty without a bias.
 template <typename Elem, bool kBias>
 struct BiasView {
     __device__ __forceinline__ BiasView(const AttnParams&, int, int) {}
-    __device__ __forceinline__ float at(int, int, const BiasTileRef&) const { return 0.f; }
+    template <typename Ref>
+    __device__ __forceinline__ float at(int, int, const Ref&) const { return 0.f; }
     __device__ __forceinline__ float2 pair_at(int, int, const BiasTileRef&) const { return make_float2(0.f, 0.f); }
     __device__ __forceinline__ void store_grad(const AttnParams&, int, int, int, int, float) const {}
 };
@@ -96,6 +144,35 @@ struct BiasView<Elem, true> {
     }
 
     // Columns col (even) and col + 1 of one row: one 32-bit read where it can.
+    // Element (row, col) of a staged BiasPanelTile (the 128-byte swizzle of cuflash/tile.cuh's wide panels).
+    template <int kPanelBytes>
+    __device__ __forceinline__ float at(int row, int col, const BiasPanelRef<kPanelBytes>& tile) const {
+        const int r = row - tile.row0, c = col - tile.col0;
+        const unsigned addr = tile.smem + (c >> 6) * kPanelBytes + r * 128 + ((((c >> 3) ^ r) & 7) << 4) +
+                              (c & 7) * int(sizeof(Elem));
+        return load_shared(addr, Elem());
+    }
+
+    // The bias of n-tiles 2j, 2j + 1 of a warp's transposed C fragment (rows = 16 keys from key_row - g,
+    // columns = queries from query_col - 2t: for_each_score_transposed's lane coordinates) from a staged
+    // BiasPanelTile, by one ldmatrix .trans: pairs[2 * sub + half] holds the bias of (key g + 8 * half,
+    // queries 2t, 2t + 1) of n-tile 2j + sub, in its low and high halves. 16-bit elements only.
+    template <int kPanelBytes>
+    __device__ __forceinline__ void transposed_pairs(unsigned (&pairs)[4], const BiasPanelRef<kPanelBytes>& tile,
+                                                     int key_row, int query_col, int j) const {
+        static_assert(sizeof(Elem) == 2, "ldmatrix moves 16-bit elements");
+        const int lane = threadIdx.x % 32;
+        const int key = key_row - (lane >> 2) - tile.col0 + ((lane >> 3) & 1) * 8;  // this lane's 8-key chunk
+        const int row = query_col - 2 * (lane & 3) - tile.row0 + (2 * j + (lane >> 4)) * 8 + (lane & 7);
+        const int chunk = key >> 3;
+        sm80::ldmatrix_x4_trans(pairs, tile.smem + (chunk >> 3) * kPanelBytes + row * 128 + (((chunk ^ row) & 7) << 4));
+    }
+    // The low (first) or high element of a pair as float.
+    static __device__ __forceinline__ float pair_half(unsigned bits, int high) {
+        const float2 v = unpack(bits, Elem());
+        return high ? v.y : v.x;
+    }
+
     __device__ __forceinline__ float2 pair_at(int row, int col, const BiasTileRef& tile) const {
         if (tile.pitch != 0) {
             const unsigned addr = tile.smem + (row - tile.row0) * tile.pitch + (col - tile.col0) * int(sizeof(Elem));
@@ -241,6 +318,38 @@ __device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int
                 asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + e, q)));
             }
             store_dbias_pair(base, p, query0, key0, q, c, rows, cols, w);
+        }
+    }
+}
+
+// dbias rows [query0, query0 + Tile::kRows) x keys [key0 + 8 * chunk0, + 8 * kPartChunks) of (b, h) from a dS
+// tile laid out [query][key] (Tile: wide panels, the warp-specialized dK/dV mainloop's dS tile under a bias),
+// for a bias with one element per score, no softcap, dbias_col_stride == 1; the caller has made the tile
+// visible. Each thread moves 16-byte chunks: 8 consecutive threads read one 128-byte panel row (its chunks
+// permuted by the swizzle: one wavefront) and store 128 contiguous bytes of a dbias row.
+template <typename Elem, typename Tile, int kThreads, int kPartChunks>
+__device__ __forceinline__ void store_dbias_rows(const AttnParams& p, int b, int h, int query0, int key0, unsigned s_ds,
+                                                 int tid, int chunk0) {
+    static_assert(sizeof(Elem) == 2 && (kPartChunks * Tile::kRows) % kThreads == 0, "whole passes of 16-bit chunks");
+    Elem* base = static_cast<Elem*>(p.dbias) + b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
+    const int rows = p.seqlen_q - query0, cols = p.seqlen_k - key0;
+#pragma unroll
+    for (int it = 0; it < kPartChunks * Tile::kRows / kThreads; ++it) {
+        const int i = tid + it * kThreads;
+        const int q = i / kPartChunks, c = chunk0 + i % kPartChunks;
+        if (q >= rows || c * 8 >= cols) continue;
+        const uint4 v = ld_shared_b128(s_ds + Tile::chunk_offset(q, c));
+        Elem* dst = base + (query0 + q) * p.dbias_row_stride + key0 + c * 8;
+        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+            *reinterpret_cast<uint4*>(dst) = v;
+        } else {
+            const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                if (c * 8 + e < cols) {
+                    reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
+                }
+            }
         }
     }
 }

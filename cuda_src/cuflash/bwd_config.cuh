@@ -79,8 +79,10 @@ __host__ __device__ constexpr DqWarpLayout choose_dq_layout(int block_m, int hea
 // that see them (Q, dO, lse, D double-buffered). Warp w owns keys (w % kWarpsN)*16 .. +16; with
 // kWarpsD = 2 the two warps of a key group (d_split = w / kWarpsN) take query halves of S^T and halves of
 // the head-dim columns of dK / dV (which halves: the mainloop's dkdv_col0).
+// kBiasInDs_: the bias of a step is staged in that step's dS tile (the warp-specialized mainloop's atomic
+// path, whose shared memory has no room for tiles of its own), which is then laid out [query][key] (TileDs).
 template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMask_, int kScoreMod_,
-          bool kAtomicDq_>
+          bool kAtomicDq_, bool kBiasInDs_ = false>
 struct DkdvConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
@@ -109,10 +111,17 @@ struct DkdvConfig {
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
     static constexpr bool kBias = has_bias(kScoreMod_);
     using BiasTileT = BiasTile<Elem, kBlockM, kBlockN>;  // a streamed query block's bias ([query][key])
+    static constexpr bool kBiasInDs = kBiasInDs_;
+    static_assert(!kBiasInDs || (kBias && kAtomicDq && kWarpsD == 1), "the bias shares the atomic dQ step's dS tile");
 
     using TileK = PanelTile<kBlockN, kHeadDim>;  // K, V
     using TileQ = PanelTile<kBlockM, kHeadDim>;  // Q, dO
     using TileP = PanelTile<kBlockN, kBlockM>;   // P^T, dS^T ([key][query])
+    // The dS tile of the atomic dQ step: dS^T, or with kBiasInDs dS ([query][key], the bias's order: the A
+    // operand of dS . K read K-major) and the staged bias before it (BiasPanel).
+    using TileDs = conditional_t<kBiasInDs, PanelTile<kBlockM, kBlockN>, TileP>;
+    using BiasPanel = BiasPanelTile<Elem, kBlockM, kBlockN>;
+    static_assert(TileDs::kBytes == TileP::kBytes, "both dS layouts take one tile's bytes");
 
     static constexpr int kOffK = 0;
     static constexpr int kOffV = kOffK + TileK::kBytes;
@@ -123,7 +132,7 @@ struct DkdvConfig {
     static constexpr int kOffLse = kOffDs + (kHasDs ? TileP::kBytes : 0);  // 2 stages of kBlockM floats
     static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;             // 2 stages of kBlockM floats
     static constexpr int kOffBias = kOffDsum + 2 * kBlockM * 4;            // 2 stages of bias tiles (kBias)
-    static constexpr int kSmemBytes = kOffBias + (kBias ? 2 * BiasTileT::kBytes : 0);
+    static constexpr int kSmemBytes = kOffBias + (kBias && !kBiasInDs ? 2 * BiasTileT::kBytes : 0);
     static constexpr int kOffPShared = kShareP ? kOffDs : kOffP;           // where P^T goes
 
     static_assert(kBlockM <= kDqAccumBlockRows, "dq_accum's zeroed rows and slack cover one query block");

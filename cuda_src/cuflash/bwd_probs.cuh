@@ -20,12 +20,12 @@ namespace cuflash {
 
 // P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
 // key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
-template <typename Cfg, int kNT>
+template <typename Cfg, int kNT, typename BiasRef = BiasTileRef>
 __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&aux)[kNT][4],
                                                  const typename Cfg::ScoreMod& mod, const typename Cfg::Mask& mask,
                                                  bool masked, int seqlen_q, int query0, int key0, int key_row0,
                                                  int q_col0, int g, int t, unsigned s_lse, float scale_log2,
-                                                 const BiasTileRef& bias_tile = BiasTileRef{}) {
+                                                 const BiasRef& bias_tile = BiasRef{}) {
     const int key_row = key0 + key_row0 + g, query_col = query0 + q_col0 + 2 * t;
     mod.apply_transposed(acc, aux, key_row, query_col, bias_tile);
 #pragma unroll

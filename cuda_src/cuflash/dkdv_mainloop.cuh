@@ -50,7 +50,7 @@ struct DkdvLoads {
     static __device__ __forceinline__ void load_queries(const AttnParams& p, const SeqInfo& seq, unsigned smem, int m,
                                                         int stage, int tid, int key0) {
         const int q0 = m * Cfg::kBlockM;
-        if constexpr (Cfg::kBias) {
+        if constexpr (Cfg::kBias && !Cfg::kBiasInDs) {  // (kBiasInDs: the producer stages it, in the dS tile)
             if (p.bias_staged) {
                 Cfg::BiasTileT::template copy<kThreads>(smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, p,
                                                              seq.b, seq.h, q0, key0, tid);
@@ -91,21 +91,23 @@ struct DkdvMainloop {
     // One step's S^T = K . Q^T -> P^T (in acc_s; dropped probabilities marked negative) and dP^T = V . dO^T
     // -> dS^T (in acc_dp), from the landed pipeline stage `stage` (transposed C layout: row = key, column =
     // query). dbias_tile: dbias is stored later from a shared dS^T tile, not here.
+    // bias: where the step's bias is staged: OwnBiasTiles (the config's own tiles, or none: read directly), or
+    // a BiasTileRef / BiasPanelRef the caller picked (the warp-specialized mainloop, one copy per kind).
+    struct OwnBiasTiles {};
+    template <typename BiasSource = OwnBiasTiles>
     static __device__ __forceinline__ void probs_and_dscores(const AttnParams& params, int b, int step_head,
                                                              const typename Cfg::Mask& mask, bool masked,
                                                              int seqlen_q, int query0, int key0, unsigned smem,
                                                              int stage, unsigned s_q, unsigned s_do, const Role& r,
                                                              bool dbias_tile, float (&acc_s)[kMTiles][4],
-                                                             float (&acc_dp)[kMTiles][4]) {
+                                                             float (&acc_dp)[kMTiles][4],
+                                                             const BiasSource& bias = BiasSource{}) {
         float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
         const typename Cfg::ScoreMod mod(params, b, step_head, mask.causal_offset);
         Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
         const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
         const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
-        const BiasTileRef bias_tile =
-            Cfg::kBias && params.bias_staged
-                ? BiasTileRef{smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, query0, key0, Cfg::BiasTileT::kPitch}
-                : BiasTileRef::none();
+        const auto bias_tile = bias_ref(bias, params, smem, stage, query0, key0);
         probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t,
                               s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
         if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
@@ -115,6 +117,18 @@ struct DkdvMainloop {
         Math::dprobs(acc_dp, smem, s_do, r);
         dscores_transposed<Cfg>(acc_dp, acc_s, aux, mod, s_dsum, params, key0 + r.key_row0 + r.g,
                                 query0 + r.q_col0 + 2 * r.t, !dbias_tile);
+    }
+    // The step's bias in the config's own staged tiles (stage `stage`), or none (read directly).
+    static __device__ __forceinline__ BiasTileRef bias_ref(const OwnBiasTiles&, const AttnParams& params, unsigned smem,
+                                                           int stage, int query0, int key0) {
+        return Cfg::kBias && !Cfg::kBiasInDs && params.bias_staged
+                   ? BiasTileRef{smem + Cfg::kOffBias + stage * Cfg::BiasTileT::kBytes, query0, key0,
+                                 Cfg::BiasTileT::kPitch}
+                   : BiasTileRef::none();
+    }
+    template <typename Ref>
+    static __device__ __forceinline__ const Ref& bias_ref(const Ref& ref, const AttnParams&, unsigned, int, int, int) {
+        return ref;
     }
 
     // Query heads [h0, h0 + heads) (one kv head's), each over the query blocks of `blocks`: dK / dV

@@ -43,6 +43,13 @@ struct WgmmaDqStep {
         const int key_row0 = kSplitQueries || kSplitColumns ? 0 : warp / 4 * kKeys;
         sm90::gemm_atb<Elem, kKeys, kBlockN, kBlockN>(acc, s_ds, query_panel(warp), s_k, panel0(warp), key_row0, false);
     }
+    // The same GEMM from a dS tile laid out [query][key] (kBlockM rows: dS read K-major), for the splits by
+    // queries or by columns.
+    static __device__ __forceinline__ void issue_rows(float (&acc)[kNTiles][4], int warp, unsigned s_ds, unsigned s_k) {
+        static_assert(kSplitQueries || kSplitColumns, "the [query][key] dS tile takes whole key rows");
+        sm90::gemm_ab<Elem, kBlockN, kBlockM, kBlockN>(acc, s_ds, query_panel(warp) * sm90::kPanelCols, s_k,
+                                                       panel0(warp), false);
+    }
 
     // No bounds tests: dS is exactly 0 for queries past the sequence (P masked to 0; dO, D zero-filled)
     // and K is zero-filled past head_dim, so the adds past them are +-0. dq_accum has kHeadDim columns and

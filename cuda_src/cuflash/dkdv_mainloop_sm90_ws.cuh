@@ -18,6 +18,13 @@
 // (i + 1) & 1 only after the barrier of step i, which the other warpgroup reaches after its dQ GEMM of
 // step i - 1 (the last reader of that tile) has completed.
 //
+// A bias (no softcap) on the atomic path: the producer also copies the step's bias tile into the step's dS
+// tile (Cfg::kBiasInDs; the tile is free once both warpgroups released the stage two steps back), laid out
+// [query][key] like the bias in global memory. The consumers read it while computing P^T, then write dS over
+// it in the same layout (stmatrix .trans), each warp over exactly the (key, query) elements it read; the dQ
+// step reads dS K-major, and after it each warpgroup copies its keys' dS rows into dbias (16-byte chunks).
+// Without the dQ step the bias goes into DkdvConfig's own staged tiles, as on the other mainloops.
+//
 // Registers: the launch cap of 384 threads (168) is split 40 / 232 by setmaxnreg.
 #pragma once
 
@@ -49,9 +56,12 @@ struct DkdvMainloopSm90Ws {
     static constexpr int kStages = 2;  // DkdvConfig's Q / dO / lse / D stages
     static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
     using Loads = DkdvLoads<Cfg, true, kProducerThreads>;  // the row walk, on the producer's 128 threads
-    static_assert(Cfg::kNWarps == 8 && Cfg::kWarpsD == 1 && !Cfg::kBias && !Cfg::Dropout::kEnabled,
-                  "the warp-specialized dK/dV mainloop takes the 8-warp, whole-query-block wgmma layout without a "
-                  "bias or dropout");
+    static_assert(Cfg::kNWarps == 8 && Cfg::kWarpsD == 1 && !Cfg::Dropout::kEnabled,
+                  "the warp-specialized dK/dV mainloop takes the 8-warp, whole-query-block wgmma layout without "
+                  "dropout");
+    static_assert(!Cfg::kBias || !Cfg::kAtomicDq || Cfg::kBiasInDs,
+                  "a bias on the atomic path is staged in the dS tiles (no room for tiles of its own)");
+    using TileDs = typename Cfg::TileDs;
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(sizeof(Cfg) == 0, "the warp-specialized dK/dV mainloop compiles for sm_90a only");
 #endif
@@ -150,6 +160,13 @@ struct DkdvMainloopSm90Ws {
     // add: a stage is published as soon as its bytes landed, and the add of step k - 2 (whose tile the
     // consumers reuse only at step k's dQ) releases its tile one iteration later, when its read is done (an
     // ordered add: once complete).
+    // kEarlyDqRelease (the bias variants): the tile of step k - 3 goes back right after step k - 1 is
+    // published instead, before the wait and the load issue (the consumers stage step k - 1's dQ into it).
+    // H100, session 17 (ncu): with the bias's copy in the load issue, the consumers spent 9% of their stall
+    // samples waiting for the tile, and the early release took the bias dK/dV 535 -> 520 us; without a bias
+    // the early wait for the add's read delays the loads instead (D128 S4k 2593 -> 2642 us, causal 1411 ->
+    // 1463), so those keep the late release.
+    static constexpr bool kEarlyDqRelease = Cfg::kBiasInDs;
     static __device__ __forceinline__ void produce(const AttnParams& params, int b, int h0, int heads, int n_block,
                                                    const typename Cfg::Blocks& blocks, unsigned smem) {
         const int tid = threadIdx.x;
@@ -172,11 +189,21 @@ struct DkdvMainloopSm90Ws {
             sm80::cp_async_wait<0>();
             sm90::fence_proxy_async();
             sm90::mbarrier_arrive(step == 0 ? kv_full(smem) : q_full(smem, (step - 1) % kStages));
+            if constexpr (Cfg::kAtomicDq && kEarlyDqRelease) {
+                if (step >= 3 && !ordered) release_dq(smem, step - 3);
+            }
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
             // Opaque (b, h, tid): the addresses are rebuilt from the constant bank on each call instead of
             // held across the loop in the producer's few registers.
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
                                 blocks.block(c.index()), s, opaque(tid), key0);
+            if constexpr (Cfg::kBiasInDs) {  // into the step's dS tile, free since step - 2 released stage s
+                if (params.bias_staged) {
+                    Cfg::BiasPanel::template copy<kProducerThreads>(ds_tile(smem, step), params, opaque(b), opaque(c.h),
+                                                                    blocks.block(c.index()) * Cfg::kBlockM, key0,
+                                                                    opaque(tid));
+                }
+            }
             sm80::cp_async_commit();
             // The add after the load issue: an ordered add's wait for its turn overlaps the loads in flight.
             if constexpr (Cfg::kAtomicDq) {
@@ -192,6 +219,7 @@ struct DkdvMainloopSm90Ws {
         sm90::fence_proxy_async();
         sm90::mbarrier_arrive(q_full(smem, (num_steps - 1) % kStages));
         if constexpr (Cfg::kAtomicDq) {
+            if (kEarlyDqRelease && num_steps >= 3 && !ordered) release_dq(smem, num_steps - 3);
             if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2, n_block, ordered);
             add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1, n_block, ordered);
             if (tid == 0) sm90::bulk_wait<0>();  // the adds are complete before the CTA (and its tiles) go
@@ -200,9 +228,9 @@ struct DkdvMainloopSm90Ws {
 
     // Step `step`'s staged dQ (dS . K of query block m_block of head `head`, unscaled) added into dq_accum by
     // one thread: kBlockM whole rows, contiguous there. Rows past the sequence carry +-0 (WgmmaDqStep::add).
-    // Then the tile of step - 1, whose add was issued one call earlier, goes back to the consumers once read.
-    // Ordered (dq_order.cuh): the add waits for key block n_block's turn at this query block, completes, passes
-    // the turn on, and gives its own tile back.
+    // Then the tile of step - 1, whose add was issued one call earlier, goes back to the consumers once read
+    // (kEarlyDqRelease: release_dq gives it back earlier). Ordered (dq_order.cuh): the add waits for key block
+    // n_block's turn at this query block, completes, passes the turn on, and gives its own tile back.
     static __device__ __forceinline__ void add_dq(const AttnParams& params, int b, int m_block, int head, unsigned smem,
                                                   int step, int n_block, bool ordered) {
         if (threadIdx.x != 0) return;
@@ -224,10 +252,18 @@ struct DkdvMainloopSm90Ws {
         }
         sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), kDqTileBytes);
         sm90::bulk_commit();
-        if (step >= 1) {
+        if (!kEarlyDqRelease && step >= 1) {
             sm90::bulk_wait_read<1>();
             sm90::mbarrier_arrive(dq_empty(smem, (step - 1) & 1));
         }
+    }
+
+    // The dQ tile of step `step` back to the consumers once its add (the one bulk add in flight) has read it
+    // (kEarlyDqRelease).
+    static __device__ __forceinline__ void release_dq(unsigned smem, int step) {
+        if (threadIdx.x != 0) return;
+        sm90::bulk_wait_read<0>();
+        sm90::mbarrier_arrive(dq_empty(smem, step & 1));
     }
 
     // -------------------------------------------------------------------------------------- consumers
@@ -255,8 +291,26 @@ struct DkdvMainloopSm90Ws {
 
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
-            Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
-                                     r, false, acc_s, acc_dp);
+            // dbias from the step's dS tile where it is dS itself (no softcap factor) and has an element per score.
+            const bool dbias_tile = Cfg::kBiasInDs && params.dbias != nullptr && params.softcap == 0.f &&
+                                    params.dbias_col_stride == 1;
+            // A staged bias and one read directly take separate copies of the step's score math, each with its
+            // reads fixed at compile time (one uniform branch per step instead of one per score).
+            if (Cfg::kBias && params.bias_staged) {
+                if constexpr (Cfg::kBiasInDs) {
+                    Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q,
+                                             s_do, r, dbias_tile, acc_s, acc_dp,
+                                             Cfg::BiasPanel::ref(ds_tile(smem, step), query0, key0));
+                } else {
+                    Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q,
+                                             s_do, r, dbias_tile, acc_s, acc_dp,
+                                             Steps::bias_ref(typename Steps::OwnBiasTiles{}, params, smem, s, query0,
+                                                             key0));
+                }
+            } else {
+                Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
+                                         r, dbias_tile, acc_s, acc_dp, BiasTileRef::none());
+            }
 
             // dV += P^T . dO, dK += dS^T . Q from registers; with kAtomicDq first dQ = dS . K from the shared
             // dS^T tiles of both warpgroups.
@@ -266,10 +320,20 @@ struct DkdvMainloopSm90Ws {
             float acc_dq[DqStep::kNTiles][4];
             if constexpr (Cfg::kAtomicDq) {
                 const unsigned s_ds = ds_tile(smem, step);
-                store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+                if constexpr (Cfg::kBiasInDs) {
+                    // Over the warp's staged bias: stmatrix is warp-wide, so every lane's reads (which its
+                    // operands depend on) are done before any lane's store.
+                    store_ds_rows(s_ds, ds_frag, r);
+                } else {
+                    store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+                }
                 sm90::fence_proxy_async();
                 sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
-                DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+                if constexpr (Cfg::kBiasInDs) {
+                    DqStep::issue_rows(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+                } else {
+                    DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+                }
             }
             sm90::fence_operand(acc_dv);
             sm90::fence_operand(acc_dk);
@@ -281,11 +345,34 @@ struct DkdvMainloopSm90Ws {
                 if (step >= 2) sm90::mbarrier_wait(dq_empty(smem, step & 1), ((step >> 1) - 1) & 1);
                 stage_dq(acc_dq, r, dq_tile(smem, step));
                 sm90::mbarrier_arrive(dq_full(smem, step & 1));
+                if constexpr (Cfg::kBiasInDs) {
+                    // This warpgroup's keys (its own warps wrote them; the barrier above ordered them).
+                    constexpr int kPartChunks = Cfg::kBlockN / 8 / (kConsumerThreads / 128);
+                    if (dbias_tile) {
+                        // (Opaque: offsets derived from tid would be hoisted out of the loop and spilled.)
+                        store_dbias_rows<Elem, TileDs, 128, kPartChunks>(params, b, step_head, query0, key0,
+                                                                         ds_tile(smem, step), opaque(tid) % 128,
+                                                                         opaque(tid) / 128 * kPartChunks);
+                    }
+                }
             }
             sm90::wait<0>();
             sm90::fence_operand(acc_dv);
             sm90::fence_operand(acc_dk);
             sm90::mbarrier_arrive(q_empty(smem, s));  // Q, dO, lse, D of stage s are read
+        }
+    }
+
+    // The warp's dS^T fragments (its 16 keys x kBlockM queries, wgmma's A layout) into the [query][key] dS
+    // tile, transposed by stmatrix: per 16 queries, lane l addresses query row l % 8 (+ 8 for l >= 16) of the
+    // 8-key chunk (l / 8) % 2 of the warp's two.
+    static __device__ __forceinline__ void store_ds_rows(unsigned tile, const unsigned (&ds)[Cfg::kBlockM / 16][4],
+                                                         const Role& r) {
+        const int i = r.lane / 8;
+        const int chunk = r.key_row0 / 8 + (i & 1);
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+            sm90::stmatrix_x4_trans(tile + TileDs::chunk_offset(kk * 16 + (i >> 1) * 8 + r.lane % 8, chunk), ds[kk]);
         }
     }
 

@@ -45,9 +45,9 @@ struct IdentityScoreMod {
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void grad(float (&)[kMTiles][kNTiles][4], const float (&)[kMTiles][kNTiles][4]) const {}
     // Transposed tiles (dK / dV kernels: rows are keys, columns queries; the lane's first key / query).
-    template <int kNTiles>
+    template <int kNTiles, typename Ref = BiasTileRef>
     __device__ __forceinline__ void apply_transposed(float (&)[kNTiles][4], float (&)[kNTiles][4], int, int,
-                                                     const BiasTileRef& = BiasTileRef{}) const {}
+                                                     const Ref& = Ref{}) const {}
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&)[kNTiles][4], const float (&)[kNTiles][4], const AttnParams&,
                                                     int, int, bool = true) const {}
@@ -165,9 +165,10 @@ struct GeneralScoreMod {
     __device__ __forceinline__ void grad(float (&ds)[kMTiles][kNTiles][4], const float (&aux)[kMTiles][kNTiles][4]) const {
         if (has_softcap()) transform2(ds, aux);
     }
-    template <int kNTiles>
+    // Ref: BiasTileRef, or a BiasPanelRef (the warp-specialized dK/dV mainloop's bias in its dS tile).
+    template <int kNTiles, typename Ref = BiasTileRef>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4], int key_row,
-                                                     int query_col, const BiasTileRef& tile = BiasTileRef{}) const {
+                                                     int query_col, const Ref& tile = Ref{}) const {
         // The bias variant specializes its loop (the dK/dV kernels of the softcap / ALiBi one sit at the register
         // limit on wgmma, where four loop copies spilled).
         if constexpr (kBias) {
@@ -184,12 +185,34 @@ struct GeneralScoreMod {
             });
         }
     }
-    template <bool kCap, bool kAlibi, int kNTiles>
+    template <bool kCap, bool kAlibi, int kNTiles, typename Ref>
     __device__ __forceinline__ void apply_terms_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4],
-                                                           int key_row, int query_col, const BiasTileRef& tile) const {
+                                                           int key_row, int query_col, const Ref& tile) const {
         for_each_score_transposed(acc, key_row, query_col, [&](float& x, int query, int key, int nt, int e) {
             x = one_of<kCap, kAlibi>(x, query, key, aux[nt][e], bias.at(query, key, tile));
         });
+    }
+    // A BiasPanelTile: two n-tiles' bias per ldmatrix (BiasView::transposed_pairs) instead of a load per score.
+    template <bool kCap, bool kAlibi, int kNTiles, int kPanelBytes>
+    __device__ __forceinline__ void apply_terms_transposed(float (&acc)[kNTiles][4], float (&aux)[kNTiles][4],
+                                                           int key_row, int query_col,
+                                                           const BiasPanelRef<kPanelBytes>& tile) const {
+        static_assert(kNTiles % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+        for (int j = 0; j < kNTiles / 2; ++j) {
+            unsigned pairs[4];
+            bias.transposed_pairs(pairs, tile, key_row, query_col, j);
+#pragma unroll
+            for (int sub = 0; sub < 2; ++sub) {
+                const int nt = 2 * j + sub;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float b = BiasView<Elem, kBias>::pair_half(pairs[2 * sub + (e >> 1)], e & 1);
+                    acc[nt][e] = one_of<kCap, kAlibi>(acc[nt][e], query_col + nt * 8 + (e & 1),
+                                                      key_row + (e >= 2 ? 8 : 0), aux[nt][e], b);
+                }
+            }
+        }
     }
     // key_row / query_col: the lane's first key / query (for_each_score_transposed); with kBias this is
     // where dbias is written (the dK/dV kernels see each score once per query head).

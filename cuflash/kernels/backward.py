@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ..arch import arch_caps
-from . import HEAD_DIM_BUCKETS, MASK_CAUSAL, MASK_GENERAL, MASK_KINDS, MASK_NONE, is_general, MOD_BIAS_SOFTCAP, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
+from . import HEAD_DIM_BUCKETS, MASK_CAUSAL, MASK_GENERAL, MASK_KINDS, MASK_NONE, is_general, MOD_BIAS, MOD_BIAS_SOFTCAP, SCORE_MODS, has_bias, KernelVariant, Launch, Plan, ProblemShape
 from . import block_lists
 
 SOURCE = "flash_bwd.cu"
@@ -240,6 +240,14 @@ for _key, _bytes in {(90, 64, 1, 0, True): 136, (90, 64, 2, 0, True): 612, (90, 
 for _key, _bytes in {(90, 128, 5, 2, True): 56, (80, 64, 4, 3, True): 32, (90, 128, 4, 2, True): 60,
                      (90, 128, 3, 3, True): 32, (90, 128, 5, 3, True): 20}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 17: the bias (no softcap) at D128 on the warp-specialized mainloop (its atomic path stages the bias in the dS
+# tiles; without the dQ step in DkdvConfig's own tiles): the producer's copy of the bias tile at 24 registers spills
+# in the producer; none / causal keep the consumers' loop at 2 spill instructions. The general-mask ones also spill in
+# the consumers (nvcc 13.0: 46 spill instructions in the atomic loop, 89 in the deterministic one; NVRTC 13.5: 42,
+# -); their speed is not measured. Each entry the larger of NVRTC 13.5 and nvcc 13.0 (the GPU machine's compiler).
+for _key, _bytes in {(90, 128, 0, 2, True): 224, (90, 128, 1, 2, True): 188, (90, 128, 2, 2, True): 408,
+                     (90, 128, 2, 2, False): 364, (90, 128, 1, 2, False): 16}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
@@ -316,15 +324,16 @@ def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int =
 
 
 def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, atomic_dq: bool,
-                    bias: bool = False) -> int:
+                    bias: bool = False, bias_in_ds: bool = False) -> int:
     """Mirror of ``DkdvConfig::kSmemBytes`` (cuda_src/cuflash/bwd_config.cuh).
 
     K, V: block_n x head_dim each; Q, dO: block_m x head_dim, two stages each; P^T and dS^T tiles
     (block_n x block_m) when the head dim is split across warps (dS^T also for the atomic dQ step; one
     shared tile for both when block_n <= 32); lse and softmax_d: block_m floats, two stages each; with a
-    bias, two stages of its (block_m x block_n) tile, rows padded by 16 bytes (cuflash/bias.cuh).
+    bias, two stages of its (block_m x block_n) tile, rows padded by 16 bytes (cuflash/bias.cuh), unless
+    ``bias_in_ds`` (the warp-specialized atomic path stages it in its dS tiles: no bytes of its own).
     """
-    bias_bytes = 2 * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
+    bias_bytes = 2 * block_m * (block_n * ELEM_BYTES + 16) if bias and not bias_in_ds else 0
     warps_d = num_warps // (block_n // 16)
     share_p = warps_d > 1 and block_n <= 32
     has_p = warps_d > 1 and not share_p
@@ -369,9 +378,11 @@ def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
 
 def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     """Whether a dK/dV variant takes the warp-specialized mainloop on sm_90a: the 8-warp tiles whose warpgroups
-    hold whole query blocks (D64, D128), without a bias, a bool mask or dropout (their staged tiles and
-    per-score state do not fit beside the producer's stages and dQ tiles)."""
-    return (bucket in (64, 128) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL) and score_mod == 0)
+    hold whole query blocks (D64, D128), without a bool mask or dropout (their staged tiles and per-score state
+    do not fit beside the producer's stages and dQ tiles), and without a score modifier but a bias alone at
+    D128 (its tile staged in the dS tiles on the atomic path; D64 with a modifier is on mma.sync)."""
+    return (bucket in (64, 128) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
+            and (score_mod == 0 or (score_mod == MOD_BIAS and bucket == 128)))
 
 
 def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: bool) -> int:
@@ -401,7 +412,8 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool,
         raise ValueError(f"no wgmma dK/dV tile for D{bucket} score_mod {score_mod} on sm_{arch}")
     tile = tile_sm80(arch, bucket, mask != 0, score_mod, wgmma=mainloop != MAINLOOP_SM80)
     bias = has_bias(score_mod)
-    smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
+    bias_in_ds = bias and atomic_dq and mainloop == MAINLOOP_SM90_WS  # DkdvConfig's kBiasInDs (flash_bwd.cu)
+    smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias, bias_in_ds)
     # The bias tiles on top of a table tile chosen without them: halve the streamed queries until it fits
     # (A100 D160-D192 64 x 64: 183 KB with the bias, 32 x 64: 131 KB), keeping 16 queries per warp.
     warps_d = tile.num_warps // (tile.block_n // 16)
