@@ -61,6 +61,7 @@ struct FwdConfig {
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;
     using ScoreMod = ScoreModOf<kScoreMod_, Elem>;
     static constexpr bool kBias = has_bias(kScoreMod_);
+    static constexpr bool kBiasAlone = kScoreMod_ == kBiasScoreMod;  // a bias (maybe ALiBi), no softcap
     using BiasTileT = BiasTile<Elem, kBlockM, kBlockN>;  // one step's staged bias (with kBias)
     // This warp's first row within the block and first key within each key block.
     static __device__ __forceinline__ int warp_row0() { return int(threadIdx.x) / 32 / kWarpsN * kWarpRows; }
@@ -172,12 +173,21 @@ struct FwdWork {
     // The warp's raw scores against key block n (step j) -> the score modifier, then -inf where
     // invisible (the per-element test only on warp tiles that can need it).
     // ring_j: the step's position in the load ring (bias slot), j but in the persistent mainloop.
-    template <int kMTiles, int kNTiles>
+    // kSplitBiasReads: a staged bias and one read directly take separate copies of the modifier's loop, each
+    // with its reads fixed at compile time (one uniform branch per step instead of a select per score), for a
+    // bias without a softcap. The warp-specialized mainloop's consumers take it; on the 8-warp wgmma tile the
+    // second copy cost 80-128 bytes of spill, with a softcap 16-130 more on the warp-specialized one (ptxas
+    // of NVRTC 13.5).
+    template <bool kSplitBiasReads = false, int kMTiles, int kNTiles>
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n,
                                                     int ring_j) const {
         const int warp_row_begin = row_begin + warp_row0;
         if constexpr (Cfg::kBias) {
-            mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(ring_j, n));
+            if (!(kSplitBiasReads && Cfg::kBiasAlone) || loads.params.bias_staged) {
+                mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(ring_j, n));
+            } else {
+                mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, BiasTileRef::none());
+            }
         } else {
             mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN + Cfg::warp_key0());
         }

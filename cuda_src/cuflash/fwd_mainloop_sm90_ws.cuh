@@ -392,7 +392,7 @@ struct FwdMainloopSm90Ws
             sm90::wait<0>();
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(0);
-            this->modify_and_mask(acc_s, 0, this->blocks.block(0), r0);
+            this->template modify_and_mask<true>(acc_s, 0, this->blocks.block(0), r0);
             if constexpr (Cfg::kBias) release_k(0);
             softmax.template update<kFmaExpEvery>(acc_s, acc_o, scale_log2);
             this->drop(acc_s, this->blocks.block(0));
@@ -410,7 +410,7 @@ struct FwdMainloopSm90Ws
             sm90::wait<1>();  // S_j done; P.V_{j-1} may still run
             sm90::fence_operand(acc_s[0]);
             if constexpr (!Cfg::kBias) release_k(j);
-            this->modify_and_mask(acc_s, j, this->blocks.block(j), r);
+            this->template modify_and_mask<true>(acc_s, j, this->blocks.block(j), r);
             if constexpr (Cfg::kBias) release_k(j);
             softmax_under_pv<Elem, kFmaExpEvery>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
                                    [&] { sm90::mbarrier_arrive(v_empty(r - 1)); });
