@@ -20,7 +20,9 @@ namespace cuflash {
 
 // P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
 // key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
-template <typename Cfg, int kNT, typename BiasRef = BiasTileRef>
+// kFullTile: the caller knows every pair of the tile to be visible, inside the sequences (a block list's full
+// entry): no mask code at all.
+template <typename Cfg, int kNT, typename BiasRef = BiasTileRef, bool kFullTile = false>
 __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&aux)[kNT][4],
                                                  const typename Cfg::ScoreMod& mod, const typename Cfg::Mask& mask,
                                                  bool masked, int seqlen_q, int query0, int key0, int key_row0,
@@ -35,8 +37,10 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&a
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = acc[nt][e] * scale_log2 - lse2[e & 1];
     }
-    if ((masked && mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) || query0 + Cfg::kBlockM > seqlen_q) {
-        mask.apply_transposed(acc, key_row, query_col, seqlen_q);
+    if constexpr (!kFullTile) {
+        if ((masked && mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) || query0 + Cfg::kBlockM > seqlen_q) {
+            mask.apply_transposed(acc, key_row, query_col, seqlen_q);
+        }
     }
     transform(acc, [](float x) { return fast_exp2(x); });  // masked -inf -> exactly 0
 }

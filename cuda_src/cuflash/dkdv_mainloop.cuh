@@ -71,6 +71,18 @@ struct DkdvLoads {
     }
 };
 
+// A step's bias in the config's own staged tiles (DkdvMainloop::bias_ref), and the reference type a bias
+// source gives.
+struct OwnBiasTiles {};
+template <typename Source>
+struct BiasRefOf {
+    using type = Source;
+};
+template <>
+struct BiasRefOf<OwnBiasTiles> {
+    using type = BiasTileRef;
+};
+
 template <typename Cfg, typename Math>
 struct DkdvMainloop {
     using Role = typename Math::Role;
@@ -93,8 +105,8 @@ struct DkdvMainloop {
     // query). dbias_tile: dbias is stored later from a shared dS^T tile, not here.
     // bias: where the step's bias is staged: OwnBiasTiles (the config's own tiles, or none: read directly), or
     // a BiasTileRef / BiasPanelRef the caller picked (the warp-specialized mainloop, one copy per kind).
-    struct OwnBiasTiles {};
-    template <typename BiasSource = OwnBiasTiles>
+    // kFullTile: a block list's full tile (probs_transposed runs no mask code).
+    template <typename BiasSource = OwnBiasTiles, bool kFullTile = false>
     static __device__ __forceinline__ void probs_and_dscores(const AttnParams& params, int b, int step_head,
                                                              const typename Cfg::Mask& mask, bool masked,
                                                              int seqlen_q, int query0, int key0, unsigned smem,
@@ -108,8 +120,9 @@ struct DkdvMainloop {
         const unsigned s_lse = smem + Cfg::kOffLse + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
         const unsigned s_dsum = smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + r.q_col0 + 2 * r.t) * 4;
         const auto bias_tile = bias_ref(bias, params, smem, stage, query0, key0);
-        probs_transposed<Cfg>(acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t,
-                              s_lse, Cfg::ScoreMod::exp_factor(params), bias_tile);
+        probs_transposed<Cfg, kMTiles, typename BiasRefOf<BiasSource>::type, kFullTile>(
+            acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t, s_lse,
+            Cfg::ScoreMod::exp_factor(params), bias_tile);
         if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
             const typename Cfg::Dropout dropout(params, b, step_head);
             dropout.mark_transposed(acc_s, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);

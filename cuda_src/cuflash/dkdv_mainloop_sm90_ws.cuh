@@ -304,9 +304,16 @@ struct DkdvMainloopSm90Ws {
                 } else {
                     Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q,
                                              s_do, r, dbias_tile, acc_s, acc_dp,
-                                             Steps::bias_ref(typename Steps::OwnBiasTiles{}, params, smem, s, query0,
+                                             Steps::bias_ref(OwnBiasTiles{}, params, smem, s, query0,
                                                              key0));
                 }
+            } else if (Cfg::Blocks::kListed && !Cfg::kBias && !masked) {
+                // A block list's full tile: a copy of the step without the mask's code, whose registers (ids,
+                // addresses) the GPU machine's ptxas (nvcc 13.0) spilled around the masked branch on every
+                // step, 22 local loads and stores per warp and step (block-causal 512, session 17).
+                Steps::template probs_and_dscores<BiasTileRef, true>(params, b, step_head, mask, masked, seqlen_q,
+                                                                     query0, key0, smem, s, s_q, s_do, r, dbias_tile,
+                                                                     acc_s, acc_dp, BiasTileRef::none());
             } else {
                 Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
                                          r, dbias_tile, acc_s, acc_dp, BiasTileRef::none());
