@@ -25,7 +25,7 @@
 // step reads dS K-major, and after it each warpgroup copies its keys' dS rows into dbias (16-byte chunks).
 // Without the dQ step the bias goes into DkdvConfig's own staged tiles, as on the other mainloops.
 //
-// Registers: the launch cap of 384 threads (168) is split 40 / 232 by setmaxnreg.
+// Registers: the launch cap of 384 threads (168) is split 24 / 240 by setmaxnreg (kProducerRegisters).
 #pragma once
 
 #include "cuflash/bulk_sm90.cuh"
