@@ -236,6 +236,23 @@ struct BiasView<Elem, true> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) { return __float2bfloat16_rn(x); }
 };
 
+// Eight consecutive 16-bit dbias elements from `packed` (element e in the low or high half of word e / 2), of
+// which the first `valid` lie inside the sequence: one 16-byte store where all do and dst is aligned.
+template <typename Elem>
+__device__ __forceinline__ void store_dbias_chunk(Elem* dst, const uint4& packed, int valid) {
+    if (valid >= 8 && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = packed;
+    } else {
+        const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (e < valid) {
+                reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
+            }
+        }
+    }
+}
+
 // Two rows of dbias, queries q and q + 1 against keys [c * 8, c * 8 + 8) of the tile, from w[k] = the dS^T
 // word of key c * 8 + k (query q in its low half, q + 1 in its high half): one 16-byte store per row where the
 // row allows, else element by element. rows / cols: the tile's rows and keys inside the sequence.
@@ -248,18 +265,7 @@ __device__ __forceinline__ void store_dbias_pair(Elem* base, const AttnParams& p
         const unsigned sel = half ? 0x7632u : 0x5410u;  // the high or the low halves of two words
         const uint4 packed = make_uint4(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel),
                                         __byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel));
-        Elem* dst = base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8;
-        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-            *reinterpret_cast<uint4*>(dst) = packed;
-        } else {
-            const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (c * 8 + e < cols) {
-                    reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
-                }
-            }
-        }
+        store_dbias_chunk(base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8, packed, cols - c * 8);
     }
 }
 
@@ -339,18 +345,7 @@ __device__ __forceinline__ void store_dbias_rows(const AttnParams& p, int b, int
         const int q = i / kPartChunks, c = chunk0 + i % kPartChunks;
         if (q >= rows || c * 8 >= cols) continue;
         const uint4 v = ld_shared_b128(s_ds + Tile::chunk_offset(q, c));
-        Elem* dst = base + (query0 + q) * p.dbias_row_stride + key0 + c * 8;
-        if (c * 8 + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-            *reinterpret_cast<uint4*>(dst) = v;
-        } else {
-            const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (c * 8 + e < cols) {
-                    reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
-                }
-            }
-        }
+        store_dbias_chunk(base + (query0 + q) * p.dbias_row_stride + key0 + c * 8, v, cols - c * 8);
     }
 }
 
