@@ -236,17 +236,18 @@ struct BiasView<Elem, true> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) { return __float2bfloat16_rn(x); }
 };
 
-// Eight consecutive 16-bit dbias elements from `packed` (element e in the low or high half of word e / 2), of
-// which the first `valid` lie inside the sequence: one 16-byte store where all do and dst is aligned.
+// Eight consecutive 16-bit dbias elements from `packed` (element e in the low or high half of word e / 2), the
+// tile's keys col .. col + 7 of which those below `cols` lie inside the sequence: one 16-byte store where all do
+// and dst is aligned.
 template <typename Elem>
-__device__ __forceinline__ void store_dbias_chunk(Elem* dst, const uint4& packed, int valid) {
-    if (valid >= 8 && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+__device__ __forceinline__ void store_dbias_chunk(Elem* dst, const uint4& packed, int col, int cols) {
+    if (col + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
         *reinterpret_cast<uint4*>(dst) = packed;
     } else {
         const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            if (e < valid) {
+            if (col + e < cols) {
                 reinterpret_cast<unsigned short*>(dst)[e] = static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2)));
             }
         }
@@ -265,7 +266,7 @@ __device__ __forceinline__ void store_dbias_pair(Elem* base, const AttnParams& p
         const unsigned sel = half ? 0x7632u : 0x5410u;  // the high or the low halves of two words
         const uint4 packed = make_uint4(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel),
                                         __byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel));
-        store_dbias_chunk(base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8, packed, cols - c * 8);
+        store_dbias_chunk(base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8, packed, c * 8, cols);
     }
 }
 
@@ -345,7 +346,7 @@ __device__ __forceinline__ void store_dbias_rows(const AttnParams& p, int b, int
         const int q = i / kPartChunks, c = chunk0 + i % kPartChunks;
         if (q >= rows || c * 8 >= cols) continue;
         const uint4 v = ld_shared_b128(s_ds + Tile::chunk_offset(q, c));
-        store_dbias_chunk(base + (query0 + q) * p.dbias_row_stride + key0 + c * 8, v, cols - c * 8);
+        store_dbias_chunk(base + (query0 + q) * p.dbias_row_stride + key0 + c * 8, v, c * 8, cols);
     }
 }
 
