@@ -144,18 +144,9 @@ struct BiasView<Elem, true> {
     }
 
     // Columns col (even) and col + 1 of one row: one 32-bit read where it can.
-    // Element (row, col) of a staged BiasPanelTile (the 128-byte swizzle of cuflash/tile.cuh's wide panels).
-    template <int kPanelBytes>
-    __device__ __forceinline__ float at(int row, int col, const BiasPanelRef<kPanelBytes>& tile) const {
-        const int r = row - tile.row0, c = col - tile.col0;
-        const unsigned addr = tile.smem + (c >> 6) * kPanelBytes + r * 128 + ((((c >> 3) ^ r) & 7) << 4) +
-                              (c & 7) * int(sizeof(Elem));
-        return load_shared(addr, Elem());
-    }
-
     // The bias of n-tiles 2j, 2j + 1 of a warp's transposed C fragment (rows = 16 keys from key_row - g,
     // columns = queries from query_col - 2t: for_each_score_transposed's lane coordinates) from a staged
-    // BiasPanelTile, by one ldmatrix .trans: pairs[2 * sub + half] holds the bias of (key g + 8 * half,
+    // BiasPanelTile (the 128-byte swizzle of cuflash/tile.cuh's wide panels), by one ldmatrix .trans: pairs[2 * sub + half] holds the bias of (key g + 8 * half,
     // queries 2t, 2t + 1) of n-tile 2j + sub, in its low and high halves. 16-bit elements only.
     template <int kPanelBytes>
     __device__ __forceinline__ void transposed_pairs(unsigned (&pairs)[4], const BiasPanelRef<kPanelBytes>& tile,
