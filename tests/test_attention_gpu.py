@@ -259,6 +259,24 @@ def test_bias_on_every_forward_mainloop(p, mainloop, monkeypatch):
     test_every_forward_mainloop(p, mainloop, monkeypatch)
 
 
+def _dkdv_mainloop_or_skip(mainloop: str, bucket: int, mask: int, score_mod: int) -> int:
+    """The dK/dV mainloop kind named ("sm80", "sm90", "sm90_ws"); skips the test off sm_90 or where the kind has no
+    tile for (bucket, mask, score_mod)."""
+    import cupy
+
+    from cuflash.kernels import backward
+
+    if cupy.cuda.Device(0).compute_capability != "90":
+        pytest.skip("the wgmma mainloops need an sm_90 GPU")
+    kind = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
+            "sm90_ws": backward.MAINLOOP_SM90_WS}[mainloop]
+    if kind != backward.MAINLOOP_SM80 and not backward.uses_wgmma(90, bucket, score_mod):
+        pytest.skip(f"no wgmma dK/dV tile for D{bucket} with score_mod {score_mod}")
+    if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, mask, score_mod):
+        pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}, mask {mask}, score_mod {score_mod}")
+    return kind
+
+
 # Every dK/dV mainloop of sm_90a on the same problems (the backward of gu.check_attention), whichever one the
 # plans pick: mma.sync, wgmma with every thread loading, and the warp-specialized one (a producer warpgroup
 # loads and adds dQ from shared tiles; D64 / D128 without a bias, bool mask or dropout). Both backward modes:
@@ -267,20 +285,10 @@ def test_bias_on_every_forward_mainloop(p, mainloop, monkeypatch):
 @pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
 @pytest.mark.parametrize("p", MAINLOOP_PROBLEMS, ids=gu.problem_ids(MAINLOOP_PROBLEMS))
 def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
-    import cupy
-
     from cuflash import kernels, launch
     from cuflash.kernels import backward
 
-    if cupy.cuda.Device(0).compute_capability != "90":
-        pytest.skip("the wgmma mainloops need an sm_90 GPU")
-    kind = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
-            "sm90_ws": backward.MAINLOOP_SM90_WS}[mainloop]
-    bucket = kernels.head_dim_bucket(max(p.D, p.dv))
-    if kind != backward.MAINLOOP_SM80 and not backward.uses_wgmma(90, bucket):
-        pytest.skip(f"no wgmma dK/dV tile for D{bucket}")
-    if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, int(p.causal), 0):
-        pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}")
+    kind = _dkdv_mainloop_or_skip(mainloop, kernels.head_dim_bucket(max(p.D, p.dv)), int(p.causal), kernels.MOD_NONE)
     monkeypatch.setattr(backward, "dkdv_mainloop", lambda *args, **kwargs: kind)
     own_plan_caches(monkeypatch)
     shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
@@ -317,19 +325,10 @@ def _bias_backward_kinds(p: Problem) -> tuple:
 @pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
 @pytest.mark.parametrize("p", BIAS_BACKWARD_PROBLEMS, ids=gu.problem_ids(BIAS_BACKWARD_PROBLEMS))
 def test_bias_on_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
-    import cupy
-
     from cuflash.kernels import backward
 
-    if cupy.cuda.Device(0).compute_capability != "90":
-        pytest.skip("the wgmma mainloops need an sm_90 GPU")
-    kind = {"sm80": backward.MAINLOOP_SM80, "sm90": backward.MAINLOOP_SM90,
-            "sm90_ws": backward.MAINLOOP_SM90_WS}[mainloop]
     bucket, mask, mod = _bias_backward_kinds(p)
-    if kind != backward.MAINLOOP_SM80 and not backward.uses_wgmma(90, bucket, mod):
-        pytest.skip(f"no wgmma dK/dV tile for D{bucket} with score_mod {mod}")
-    if kind == backward.MAINLOOP_SM90_WS and not backward.ws_fits(bucket, mask, mod):
-        pytest.skip(f"no warp-specialized dK/dV mainloop for D{bucket}, mask {mask}, score_mod {mod}")
+    kind = _dkdv_mainloop_or_skip(mainloop, bucket, mask, mod)
     picked = []
 
     def pick(arch, bucket_, mask_, mod_, atomic_dq):
