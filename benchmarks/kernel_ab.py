@@ -97,6 +97,7 @@ def main() -> int:
           "".join(f" {label + '/' + labels[0]:>10s}" for label in labels[1:]), flush=True)
     for cell in args.cells.split(","):
         results = [profile(path, cell, args) for _, path in trees]
+        seen = [set() for _ in results]  # each tree's kernels printed
         for kernel in results[0]:
             # A tree whose variant of this kernel has other template arguments (a tile or mainloop change): its
             # one kernel of the same family that the reference lacks, named below the line.
@@ -108,6 +109,21 @@ def main() -> int:
             for (label, _), k in zip(trees[1:], matched[1:]):
                 if k is not None and k != kernel:
                     print(f"{'':34s}   {label}: {k[:80]}", flush=True)
+            for i, k in enumerate(matched):
+                if k is not None:
+                    seen[i].add(k)
+        # Kernels only some later tree launches (a plan that adds one), then each tree's sum of every kernel timed.
+        for i, result in enumerate(results[1:], 1):
+            for kernel in result:
+                if kernel in seen[i]:
+                    continue
+                medians = [statistics.median(r[kernel]) if kernel in r else float("nan") for r in results]
+                line = f"{cell:34s} {kernel[:58]:58s} " + " ".join(f"{m:10.1f}" for m in medians)
+                print(line + "".join(f" {m / medians[0]:10.3f}" for m in medians[1:]), flush=True)
+                seen[i].add(kernel)
+        totals = [sum(statistics.median(v) for v in r.values()) for r in results]
+        line = f"{cell:34s} {'(sum of the kernels above)':58s} " + " ".join(f"{m:10.1f}" for m in totals)
+        print(line + "".join(f" {m / totals[0]:10.3f}" for m in totals[1:]), flush=True)
     return 0
 
 

@@ -11,7 +11,9 @@
 //                                 block walks every query block that sees them, for each of its heads
 //                                 (the plan picks dkdv_heads so that MQA still fills the GPU). With
 //                                 kAtomicDq it also adds dS.K to dq_accum.
-//   flash_bwd_dq_kernel           deterministic dQ: one block per query block, walks its key blocks.
+//   flash_bwd_dq_kernel           dQ without atomics: one block per query block, walks its key blocks
+//                                 (the deterministic backward; on sm_90a at D256 the default one too,
+//                                 whose dK/dV kernel then has no dQ step: backward.split_dq).
 //   flash_bwd_convert_dq_kernel   dq = scale * dq_accum (atomic path).
 //   flash_bwd_reduce_dkdv_kernel  GQA, when a block holds less than a whole group: sums a group's dK/dV
 //                                 partials in a fixed order.
@@ -23,7 +25,8 @@
 // cuflash/dkdv_mainloop_sm90.cuh), both running the step loop and load side of cuflash/dkdv_mainloop.cuh,
 // or DkdvMainloopSm90Ws (the same wgmma math behind a producer warpgroup, cuflash/dkdv_mainloop_sm90_ws.cuh),
 // chosen by kMainloop; all share the P recomputation / dS of cuflash/bwd_probs.cuh. The dQ
-// mainloop is cuflash/dq_mainloop_sm80.cuh. Configs and shared-memory layouts: cuflash/bwd_config.cuh.
+// mainloop is cuflash/dq_mainloop_sm80.cuh (mma.sync) or cuflash/dq_mainloop_sm90.cuh (wgmma), chosen by the dQ
+// kernel's kMainloop. Configs and shared-memory layouts: cuflash/bwd_config.cuh.
 //
 // Numerics: fp32 accumulation everywhere; the exp is one FFMA + ex2. A row with lse = -inf (it sees no
 // key) gets P = 0 exactly. Rows / columns past Sq, Sk, D, Dv are zero-filled on load, masked before the
@@ -38,6 +41,7 @@
 #include "cuflash/dkdv_mainloop_sm90.cuh"
 #include "cuflash/dkdv_mainloop_sm90_ws.cuh"
 #include "cuflash/dq_mainloop_sm80.cuh"
+#include "cuflash/dq_mainloop_sm90.cuh"
 #include "cuflash/epilogue_bwd.cuh"
 
 namespace cuflash {
@@ -46,6 +50,8 @@ extern __shared__ __align__(1024) unsigned char bwd_smem[];
 
 // The dK/dV kernel's mainloop (its last template argument; cuflash/kernels/backward.py: MAINLOOP_*).
 enum DkdvMainloopKind { kDkdvMainloopSm80 = 0, kDkdvMainloopSm90 = 1, kDkdvMainloopSm90Ws = 2 };
+// The dQ kernel's (its last template argument; cuflash/kernels/backward.py: DQ_MAINLOOP_*).
+enum DqMainloopKind { kDqMainloopSm80 = 0, kDqMainloopSm90 = 1 };
 
 // ---------------------------------------------------------------------------------------------------
 // Pre-pass: softmax_d[b, h, i] = sum_{d < Dv} dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (fp32), and
@@ -166,13 +172,13 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Deterministic dQ: query block blockIdx.x (longest first when causal) of head blockIdx.y walks its key
-// blocks and accumulates dQ = dS . K in registers; no atomics.
-template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod>
+// dQ without atomics: query block blockIdx.x (longest first when causal) of head blockIdx.y walks its key
+// blocks and accumulates dQ = dS . K in registers. kMainloop: a DqMainloopKind (the wgmma one sm_90a only).
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod, int kMainloop>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_dq_kernel(const AttnParams params) {
     using Cfg = DqConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod>;
-    using Mainloop = DqMainloopSm80<Cfg>;
+    using Mainloop = conditional_t<kMainloop == kDqMainloopSm90, DqMainloopSm90<Cfg>, DqMainloopSm80<Cfg>>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);
     const unsigned smem = sm80::smem_addr(bwd_smem);
     Mainloop::check_smem(smem);

@@ -279,7 +279,7 @@ def _dkdv_mainloop_or_skip(mainloop: str, bucket: int, mask: int, score_mod: int
 
 # Every dK/dV mainloop of sm_90a on the same problems (the backward of gu.check_attention), whichever one the
 # plans pick: mma.sync, wgmma with every thread loading, and the warp-specialized one (a producer warpgroup
-# loads and adds dQ from shared tiles; D64 / D128 without a bias, bool mask or dropout). Both backward modes:
+# loads and adds dQ from shared tiles; D64 / D128 / D256 without a bool mask or dropout). Both backward modes:
 # the deterministic one has no dQ step in the dK/dV kernel.
 @pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
 @pytest.mark.parametrize("mainloop", ("sm80", "sm90", "sm90_ws"))
@@ -290,6 +290,9 @@ def test_every_backward_mainloop(p, mainloop, deterministic, monkeypatch):
 
     kind = _dkdv_mainloop_or_skip(mainloop, kernels.head_dim_bucket(max(p.D, p.dv)), int(p.causal), kernels.MOD_NONE)
     monkeypatch.setattr(backward, "dkdv_mainloop", lambda *args, **kwargs: kind)
+    # The atomic mode keeps the dK/dV kernel's dQ step even where the default plan runs the dQ kernel instead
+    # (D256 on sm_90a: test_d256_backward_runs_the_dq_kernel).
+    monkeypatch.setattr(backward, "split_dq", lambda *args, **kwargs: False)
     own_plan_caches(monkeypatch)
     shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal)
     dkdv = [item.variant for item in launch.backward_plan(shape, 0, deterministic).launches
@@ -342,6 +345,41 @@ def test_bias_on_every_backward_mainloop(p, mainloop, deterministic, monkeypatch
     own_plan_caches(monkeypatch)
     gu.check_attention(dataclasses.replace(p, deterministic=deterministic))
     assert (bucket, mask, mod) in picked, picked
+
+
+#: Head dim 256 without a modifier: on sm_90a both backward modes run the warp-specialized dK/dV kernel without a
+#: dQ step and the wgmma dQ kernel (backward.split_dq), whose 128-query blocks see tails of every kind: Sq != Sk
+#: both ways, GQA / MQA, the general mask (window, documents, block ids), rows that see no key, dlse, Dv != D.
+SPLIT_DQ_PROBLEMS = (
+    Problem("bf16", B=2, Sq=333, Sk=290, H=4, Hkv=2, D=256, causal=True),
+    Problem("fp16", B=1, Sq=129, Sk=700, H=3, Hkv=1, D=256, dlse=True),
+    Problem("bf16", B=2, Sq=300, Sk=300, H=2, Hkv=2, D=256, window=(70, 9)),
+    Problem("fp16", B=2, Sq=250, Sk=250, H=2, Hkv=1, D=256, causal=True, segments="docs"),
+    Problem("bf16", B=1, Sq=200, Sk=460, H=2, Hkv=2, D=256, blocks="blocks"),
+    Problem("bf16", B=1, Sq=77, Sk=1, H=2, Hkv=2, D=248, causal=True),
+    Problem("fp16", B=3, Sq=64, Sk=131, H=2, Hkv=1, D=200, Dv=256),
+)
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("default", "deterministic"))
+@pytest.mark.parametrize("p", SPLIT_DQ_PROBLEMS, ids=gu.problem_ids(SPLIT_DQ_PROBLEMS))
+def test_d256_backward_runs_the_dq_kernel(p, deterministic):
+    """Float64 agreement of the split D256 backward in both modes, and on sm_90a its plan: the dK/dV kernel
+    without atomics, the wgmma dQ kernel, no dq_accum."""
+    import cupy
+
+    from cuflash import kernels, launch
+    from cuflash.kernels import backward
+
+    if cupy.cuda.Device(0).compute_capability == "90":
+        shape = kernels.ProblemShape(p.B, p.Sq, p.Sk, p.H, p.Hkv, p.D, p.dv, p.dtype_name, p.causal,
+                                     general_mask=p.window is not None or p.segments is not None or p.blocks is not None)
+        plan = launch.backward_plan(shape, 0, deterministic)
+        by_name = {item.variant.name: item.variant for item in plan.launches}
+        assert by_name["cuflash::flash_bwd_dq_kernel"].config.mainloop == backward.DQ_MAINLOOP_SM90
+        assert not by_name["cuflash::flash_bwd_dkdv_kernel"].config.atomic_dq
+        assert "dq_accum" not in dict(plan.scratch)
+    gu.check_attention(dataclasses.replace(p, deterministic=deterministic))
 
 
 @pytest.mark.parametrize("p", [q for q in BIAS_BACKWARD_PROBLEMS if not q.softcap and q.D == 128],

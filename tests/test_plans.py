@@ -142,8 +142,8 @@ def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
 @pytest.mark.parametrize("score_mod", kernels.SCORE_MODS)
 @pytest.mark.parametrize("atomic", (True, False))
 def test_warp_specialized_dkdv_mainloop_where_it_fits(bucket, mask, score_mod, atomic):
-    """sm_90a's dK/dV kernel takes the warp-specialized mainloop exactly where ws_fits says (D64 / D128 without
-    a bool mask, dropout or modifier, and D128 with a bias alone); its shared memory fits. With a bias on the
+    """sm_90a's dK/dV kernel takes the warp-specialized mainloop exactly where ws_fits says (D64 / D128 / D256
+    without a bool mask, dropout or modifier, and D128 with a bias alone); its shared memory fits. With a bias on the
     atomic path the bias tiles live in the dS tiles: the same bytes as the variant without a bias."""
     v = backward.dkdv_variant(90, "bfloat16", bucket, mask, atomic, score_mod)
     ws = backward.ws_fits(bucket, mask, score_mod) and backward.uses_wgmma(90, bucket, score_mod)
@@ -232,3 +232,26 @@ def test_forward_lists_carry_the_tile_queue_counter():
     assert shape == (3 * 2 * rows * stride + 1,)
     _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2)
     assert field == "q_blocks" and shape == (3 * 2 * dict(fields)["q_blocks_rows"] * dict(fields)["q_blocks_stride"],)
+
+
+@pytest.mark.parametrize("mask_kw", ({}, {"general_mask": True}), ids=("analytic", "general"))
+@pytest.mark.parametrize("causal", (False, True))
+def test_d256_backward_splits_dq_on_sm90(causal, mask_kw):
+    """sm_90a, D256 without a modifier: both backward modes run one plan, the warp-specialized dK/dV kernel without
+    a dQ step and then the wgmma dQ kernel (no dq_accum, no convert); sm_80 keeps the atomic dQ step; a softcap
+    keeps it on sm_90a too (its dQ kernel is the mma.sync one)."""
+    shape = ProblemShape(2, 1000, 777, 8, 2, 256, 256, "bfloat16", causal, **mask_kw)
+    default = kernels.plan_backward(shape, 90, False)
+    assert default == kernels.plan_backward(shape, 90, True)
+    by_name = {launch.variant.name: launch.variant for launch in default.launches}
+    assert by_name["cuflash::flash_bwd_dkdv_kernel"].config.mainloop == backward.MAINLOOP_SM90_WS
+    assert not by_name["cuflash::flash_bwd_dkdv_kernel"].config.atomic_dq
+    dq = by_name["cuflash::flash_bwd_dq_kernel"]
+    assert dq.config.mainloop == backward.DQ_MAINLOOP_SM90 and (dq.config.block_m, dq.config.block_n) == (128, 32)
+    assert "cuflash::flash_bwd_convert_dq_kernel" not in by_name and "dq_accum" not in dict(default.scratch)
+    ampere = {launch.variant.name: launch.variant for launch in kernels.plan_backward(shape, 80, False).launches}
+    assert ampere["cuflash::flash_bwd_dkdv_kernel"].config.atomic_dq and "cuflash::flash_bwd_dq_kernel" not in ampere
+    softcap = ProblemShape(2, 1000, 777, 8, 2, 256, 256, "bfloat16", causal, score_mod=kernels.MOD_SOFTCAP_ALIBI,
+                           **mask_kw)
+    names = [launch.variant.name for launch in kernels.plan_backward(softcap, 90, False).launches]
+    assert "cuflash::flash_bwd_dq_kernel" not in names and "cuflash::flash_bwd_convert_dq_kernel" in names

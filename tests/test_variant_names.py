@@ -7,7 +7,9 @@ softcap) and kMask gained the bool-mask kind with the bias / mask tiles, both 20
 mainloop kind (0 / 1 / 2) when the warp-specialized mainloop joined, session 7; the dK/dV kernel's too, session 9, the warp-specialized one for the deterministic backward; session 10, for the atomic one too; the KV-cache prefill tiles joined, branch kv-prefill-tile; session 13, the bias on the warp-specialized forward: D64 / D128 bias variants on sm_90a moved to it, D64 128 x 64 x 3 stages, D128 128 x 64 x 3; session 15, the float32 KV-cache kernel and the float32 combine
 joined, and the KV-cache kernel took its panel width as a template argument: 64 for the decoding tiles; session 16,
 the KV-cache kernel took kWarpsN, and the few-row decoding tiles joined: 16 rows, four warps splitting the keys;
-session 17, the D128 bias (no softcap) dK/dV variants on sm_90a moved to the warp-specialized mainloop). A change of
+session 17, the D128 bias (no softcap) dK/dV variants on sm_90a moved to the warp-specialized mainloop; session 18, the
+dQ kernel took its mainloop kind as its last template argument, the sm_90a D256 dQ variants without a modifier, bool
+mask or dropout moved to the wgmma tile 128 x 32, and their dK/dV variants to the warp-specialized mainloop). A change of
 any tile, warp count, stage count or wgmma choice on sm_80 or sm_90a changes this set: regenerate the
 file only for a deliberate, measured tile change, and say so in the commit.
 """

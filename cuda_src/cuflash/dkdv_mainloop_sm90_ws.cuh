@@ -25,6 +25,15 @@
 // step reads dS K-major, and after it each warpgroup copies its keys' dS rows into dbias (16-byte chunks).
 // Without the dQ step the bias goes into DkdvConfig's own staged tiles, as on the other mainloops.
 //
+// Head dim 256 (kExchange: DkdvConfig's kWarpsD = 2, 64 x 64 tile): warpgroup g computes S^T / dP^T of all 64
+// keys x query half g and dK / dV of all keys x head-dim half g, so every step exchanges P^T and dS^T through
+// two pairs of shared tiles (alternating by step, under the same argument as the dS^T tiles above) with one
+// named barrier; its atomic dQ step (if planned) adds from the consumers' registers, since fp32 staging tiles
+// do not fit beside the 64 KB of Q / dO stages. The producer only loads there (four rows apart: the row walk of
+// copy_tile_flat with two swizzle phases). H100 (session 18, ncu, B4 H8 S4k): without the dQ step 2576 -> 2150
+// us against the 8-warp mainloop; with it 5033 -> 4890, the adds setting the pace, which is why the D256 plans
+// run the dQ kernel instead (backward.split_dq).
+//
 // Registers: the launch cap of 384 threads (168) is split 24 / 240 by setmaxnreg (kProducerRegisters).
 #pragma once
 
@@ -56,9 +65,14 @@ struct DkdvMainloopSm90Ws {
     static constexpr int kStages = 2;  // DkdvConfig's Q / dO / lse / D stages
     static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
     using Loads = DkdvLoads<Cfg, true, kProducerThreads>;  // the row walk, on the producer's 128 threads
-    static_assert(Cfg::kNWarps == 8 && Cfg::kWarpsD == 1 && !Cfg::Dropout::kEnabled,
-                  "the warp-specialized dK/dV mainloop takes the 8-warp, whole-query-block wgmma layout without "
-                  "dropout");
+    static_assert(Cfg::kNWarps == 8 && (Cfg::kWarpsD == 1 || Cfg::kHasP) && !Cfg::Dropout::kEnabled,
+                  "the warp-specialized dK/dV mainloop takes the 8-warp wgmma layouts without dropout");
+    // kWarpsD = 2 (D256: a warpgroup per query half of S^T and head-dim half of dK / dV): P^T and dS^T are
+    // exchanged through two pairs of shared tiles, alternating by step, and the atomic dQ step adds from the
+    // consumers' registers (no room for fp32 staging tiles beside the 64 KB of Q / dO stages).
+    static constexpr bool kExchange = Cfg::kWarpsD == 2;
+    static constexpr bool kStagedDq = Cfg::kAtomicDq && !kExchange;  // dQ staged for the producer's bulk add
+    static_assert(!kExchange || !Cfg::kBias, "the exchanged layout takes no bias");
     static_assert(!Cfg::kBias || !Cfg::kAtomicDq || Cfg::kBiasInDs,
                   "a bias on the atomic path is staged in the dS tiles (no room for tiles of its own)");
     using TileDs = typename Cfg::TileDs;
@@ -66,12 +80,14 @@ struct DkdvMainloopSm90Ws {
     static_assert(sizeof(Cfg) == 0, "the warp-specialized dK/dV mainloop compiles for sm_90a only");
 #endif
 
-    // Shared memory: Cfg's layout (its dS^T tile is tile 0), then the second dS^T tile, the two dQ staging
-    // tiles (kBlockM rows x kHeadDim fp32, dq_accum's own row layout) and the mbarriers.
+    // Shared memory: Cfg's layout (its P^T / dS^T tiles are pair 0), then the second P^T tile (kExchange), the
+    // second dS^T tile, the two dQ staging tiles (kBlockM rows x kHeadDim fp32, dq_accum's own row layout;
+    // kStagedDq) and the mbarriers.
     static constexpr int kDqTileBytes = Cfg::kBlockM * Cfg::kHeadDim * 4;
-    static constexpr int kOffDs1 = Cfg::kSmemBytes;
-    static constexpr int kOffDqStage = kOffDs1 + (Cfg::kAtomicDq ? Cfg::TileP::kBytes : 0);
-    static constexpr int kOffBarriers = kOffDqStage + (Cfg::kAtomicDq ? 2 * kDqTileBytes : 0);
+    static constexpr int kOffP1 = Cfg::kSmemBytes;
+    static constexpr int kOffDs1 = kOffP1 + (kExchange ? Cfg::TileP::kBytes : 0);
+    static constexpr int kOffDqStage = kOffDs1 + (Cfg::kAtomicDq || kExchange ? Cfg::TileP::kBytes : 0);
+    static constexpr int kOffBarriers = kOffDqStage + (kStagedDq ? 2 * kDqTileBytes : 0);
     static constexpr int kBarriers = 1 + 2 * kStages + 4;
     static constexpr int kSmemBytes = kOffBarriers + (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
     static_assert(kOffDs1 % 1024 == 0 && Cfg::TileP::kBytes % 1024 == 0,
@@ -92,6 +108,9 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ unsigned dq_empty(unsigned smem, int d) { return barrier(smem, 3 + 2 * kStages + d); }
     static __device__ __forceinline__ unsigned ds_tile(unsigned smem, int step) {
         return smem + ((step & 1) ? kOffDs1 : Cfg::kOffDs);
+    }
+    static __device__ __forceinline__ unsigned p_tile(unsigned smem, int step) {
+        return smem + ((step & 1) ? kOffP1 : Cfg::kOffP);
     }
     static __device__ __forceinline__ unsigned dq_tile(unsigned smem, int step) {
         return smem + kOffDqStage + (step & 1) * kDqTileBytes;
@@ -131,7 +150,7 @@ struct DkdvMainloopSm90Ws {
         return Cursor{first, h0, first, num_m_blocks, ordered && !kCausalOrder};
     }
     static __device__ __forceinline__ bool ordered_dq(const AttnParams& params) {
-        return Cfg::kAtomicDq && !kPacked && dq_order::enabled(params);
+        return kStagedDq && !kPacked && dq_order::enabled(params);
     }
     // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
     // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
@@ -189,7 +208,7 @@ struct DkdvMainloopSm90Ws {
             sm80::cp_async_wait<0>();
             sm90::fence_proxy_async();
             sm90::mbarrier_arrive(step == 0 ? kv_full(smem) : q_full(smem, (step - 1) % kStages));
-            if constexpr (Cfg::kAtomicDq && kEarlyDqRelease) {
+            if constexpr (kStagedDq && kEarlyDqRelease) {
                 if (step >= 3 && !ordered) release_dq(smem, step - 3);
             }
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
@@ -206,7 +225,7 @@ struct DkdvMainloopSm90Ws {
             }
             sm80::cp_async_commit();
             // The add after the load issue: an ordered add's wait for its turn overlaps the loads in flight.
-            if constexpr (Cfg::kAtomicDq) {
+            if constexpr (kStagedDq) {
                 if (step >= 2) add_dq(params, b, blocks.block(i2), h2, smem, step - 2, n_block, ordered);
             }
             i2 = i1;
@@ -218,7 +237,7 @@ struct DkdvMainloopSm90Ws {
         sm80::cp_async_wait<0>();
         sm90::fence_proxy_async();
         sm90::mbarrier_arrive(q_full(smem, (num_steps - 1) % kStages));
-        if constexpr (Cfg::kAtomicDq) {
+        if constexpr (kStagedDq) {
             if (kEarlyDqRelease && num_steps >= 3 && !ordered) release_dq(smem, num_steps - 3);
             if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2, n_block, ordered);
             add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1, n_block, ordered);
@@ -319,47 +338,52 @@ struct DkdvMainloopSm90Ws {
                                          r, dbias_tile, acc_s, acc_dp, BiasTileRef::none());
             }
 
-            // dV += P^T . dO, dK += dS^T . Q from registers; with kAtomicDq first dQ = dS . K from the shared
-            // dS^T tiles of both warpgroups.
-            unsigned p_frag[Cfg::kBlockM / 16][4], ds_frag[Cfg::kBlockM / 16][4];
-            pack_a<Elem>(p_frag, acc_s);
-            pack_a<Elem>(ds_frag, acc_dp);
-            float acc_dq[DqStep::kNTiles][4];
-            if constexpr (Cfg::kAtomicDq) {
-                const unsigned s_ds = ds_tile(smem, step);
-                if constexpr (Cfg::kBiasInDs) {
-                    // Over the warp's staged bias: stmatrix is warp-wide, so every lane's reads (which its
-                    // operands depend on) are done before any lane's store.
-                    store_ds_rows(s_ds, ds_frag, r);
-                } else {
-                    store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+            if constexpr (kExchange) {
+                accumulate_exchanged(params, b, step_head, query0, step, s_q, s_do, smem, r, acc_s, acc_dp, acc_dk,
+                                     acc_dv);
+            } else {
+                // dV += P^T . dO, dK += dS^T . Q from registers; with kAtomicDq first dQ = dS . K from the shared
+                // dS^T tiles of both warpgroups, staged for the producer's add.
+                unsigned p_frag[Cfg::kBlockM / 16][4], ds_frag[Cfg::kBlockM / 16][4];
+                pack_a<Elem>(p_frag, acc_s);
+                pack_a<Elem>(ds_frag, acc_dp);
+                float acc_dq[DqStep::kNTiles][4];
+                if constexpr (Cfg::kAtomicDq) {
+                    const unsigned s_ds = ds_tile(smem, step);
+                    if constexpr (Cfg::kBiasInDs) {
+                        // Over the warp's staged bias: stmatrix is warp-wide, so every lane's reads (which its
+                        // operands depend on) are done before any lane's store.
+                        store_ds_rows(s_ds, ds_frag, r);
+                    } else {
+                        store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+                    }
+                    sm90::fence_proxy_async();
+                    sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
+                    if constexpr (Cfg::kBiasInDs) {
+                        DqStep::issue_rows(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+                    } else {
+                        DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+                    }
                 }
-                sm90::fence_proxy_async();
-                sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
-                if constexpr (Cfg::kBiasInDs) {
-                    DqStep::issue_rows(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
-                } else {
-                    DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
-                }
-            }
-            sm90::fence_operand(acc_dv);
-            sm90::fence_operand(acc_dk);
-            sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
-            sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dk, ds_frag, s_q, 0, 0, true);
-            if constexpr (Cfg::kAtomicDq) {
-                sm90::wait<2>();
-                sm90::fence_operand(acc_dq);
-                if (step >= 2) sm90::mbarrier_wait(dq_empty(smem, step & 1), ((step >> 1) - 1) & 1);
-                stage_dq(acc_dq, r, dq_tile(smem, step));
-                sm90::mbarrier_arrive(dq_full(smem, step & 1));
-                if constexpr (Cfg::kBiasInDs) {
-                    // This warpgroup's keys (its own warps wrote them; the barrier above ordered them).
-                    constexpr int kPartChunks = Cfg::kBlockN / 8 / (kConsumerThreads / 128);
-                    if (dbias_tile) {
-                        // (Opaque: offsets derived from tid would be hoisted out of the loop and spilled.)
-                        store_dbias_rows<Elem, TileDs, 128, kPartChunks>(params, b, step_head, query0, key0,
-                                                                         ds_tile(smem, step), opaque(tid) % 128,
-                                                                         opaque(tid) / 128 * kPartChunks);
+                sm90::fence_operand(acc_dv);
+                sm90::fence_operand(acc_dk);
+                sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
+                sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dk, ds_frag, s_q, 0, 0, true);
+                if constexpr (Cfg::kAtomicDq) {
+                    sm90::wait<2>();
+                    sm90::fence_operand(acc_dq);
+                    if (step >= 2) sm90::mbarrier_wait(dq_empty(smem, step & 1), ((step >> 1) - 1) & 1);
+                    stage_dq(acc_dq, r, dq_tile(smem, step));
+                    sm90::mbarrier_arrive(dq_full(smem, step & 1));
+                    if constexpr (Cfg::kBiasInDs) {
+                        // This warpgroup's keys (its own warps wrote them; the barrier above ordered them).
+                        constexpr int kPartChunks = Cfg::kBlockN / 8 / (kConsumerThreads / 128);
+                        if (dbias_tile) {
+                            // (Opaque: offsets derived from tid would be hoisted out of the loop and spilled.)
+                            store_dbias_rows<Elem, TileDs, 128, kPartChunks>(params, b, step_head, query0, key0,
+                                                                             ds_tile(smem, step), opaque(tid) % 128,
+                                                                             opaque(tid) / 128 * kPartChunks);
+                        }
                     }
                 }
             }
@@ -367,6 +391,37 @@ struct DkdvMainloopSm90Ws {
             sm90::fence_operand(acc_dv);
             sm90::fence_operand(acc_dk);
             sm90::mbarrier_arrive(q_empty(smem, s));  // Q, dO, lse, D of stage s are read
+        }
+    }
+
+    // kWarpsD = 2: each warp's P^T and dS^T (its 16 keys x its warpgroup's query half) into the step's pair of
+    // shared tiles, one barrier of the consumers, then from those tiles (with kAtomicDq) dQ of the warpgroup's
+    // head-dim half, added from registers into dq_accum while dV / dK of its half run. The pairs alternate by
+    // step: a warpgroup writes pair (i + 1) & 1 only after the barrier of step i, which the other warpgroup
+    // reaches once its GEMMs of step i - 1 (the last readers of that pair) have completed.
+    static __device__ __forceinline__ void accumulate_exchanged(const AttnParams& params, int b, int step_head,
+                                                                int query0, int step, unsigned s_q, unsigned s_do,
+                                                                unsigned smem, const Role& r,
+                                                                const float (&acc_s)[kMTiles][4],
+                                                                const float (&acc_dp)[kMTiles][4],
+                                                                float (&acc_dk)[kDTiles][4],
+                                                                float (&acc_dv)[kDTiles][4]) {
+        constexpr int kHalfPanels = Cfg::kHeadDim / sm90::kPanelCols / 2;
+        const unsigned s_p = p_tile(smem, step), s_ds = ds_tile(smem, step);
+        store_c_tile<Elem, typename Cfg::TileP>(s_p, acc_s, r.key_row0, r.q_col0, r.lane);
+        store_c_tile<Elem, typename Cfg::TileP>(s_ds, acc_dp, r.key_row0, r.q_col0, r.lane);
+        sm90::fence_proxy_async();
+        sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
+        float acc_dq[DqStep::kNTiles][4];
+        if constexpr (Cfg::kAtomicDq) DqStep::issue(acc_dq, r.warp, s_ds, smem + Cfg::kOffK);
+        sm90::fence_operand(acc_dv);
+        sm90::fence_operand(acc_dk);
+        sm90::gemm_ab<Elem, Cfg::kBlockM, Cfg::kBlockN, Cfg::kBlockM>(acc_dv, s_p, 0, s_do, r.d_split * kHalfPanels, true);
+        sm90::gemm_ab<Elem, Cfg::kBlockM, Cfg::kBlockN, Cfg::kBlockM>(acc_dk, s_ds, 0, s_q, r.d_split * kHalfPanels, true);
+        if constexpr (Cfg::kAtomicDq) {
+            float* dq_rows =
+                SeqInfo::query_side<kPacked>(params, opaque(b), step_head).dq_accum(params, query0, Cfg::kHeadDim);
+            DqStep::template add<2>(acc_dq, r, dq_rows);
         }
     }
 

@@ -1,5 +1,5 @@
-// The deterministic dQ mainloop on mma.sync (DqMainloopSm80, sm_80 and later; no wgmma variant yet: the
-// Hopper issue adds one behind the same interface):
+// The dQ kernel's mainloop on mma.sync (DqMainloopSm80, sm_80 and later; DqMainloopSm90 in
+// cuflash/dq_mainloop_sm90.cuh is the wgmma one behind the same interface):
 //   kSmemBytes, check_smem(smem)
 //   run(params, seq, blocks, mask, smem, query0, acc_dq)   walks the key blocks of query block query0
 //                                                           (blocks.count() steps) and leaves dQ

@@ -230,6 +230,23 @@ __device__ __forceinline__ void copy_tile_flat(unsigned smem_tile, const Elem* g
             sm80::cp_async_16(dst + it * kRowStep * Tile::kRowBytes, valid ? src + it * kRowStep * row_stride : gmem_tile,
                               valid);
         }
+    } else if constexpr (kRowWalk && kThreads % Tile::kChunks == 0 && kTotal % kThreads == 0 && 8 % kRowStep == 0) {
+        // The same walk with rows fewer than the swizzle period apart (a 128-thread producer over 256-column
+        // tiles: 4): one shared offset per row phase of the period, each advancing by whole periods.
+        constexpr int kPhases = 8 / kRowStep;
+        const unsigned u = static_cast<unsigned>(tid);
+        const int row0 = static_cast<int>(u / Tile::kChunks), chunk = static_cast<int>(u % Tile::kChunks);
+        const bool col_ok = chunk * kChunkElems < cols_valid;
+        const Elem* src = gmem_tile + row0 * row_stride + chunk * kChunkElems;
+        unsigned dst[kPhases];
+#pragma unroll
+        for (int ph = 0; ph < kPhases; ++ph) dst[ph] = smem_tile + Tile::chunk_offset(row0 + ph * kRowStep, chunk);
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const bool valid = col_ok && row0 + it * kRowStep < rows_valid;
+            sm80::cp_async_16(dst[it % kPhases] + (it / kPhases) * 8 * Tile::kRowBytes,
+                              valid ? src + it * kRowStep * row_stride : gmem_tile, valid);
+        }
     } else {
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {

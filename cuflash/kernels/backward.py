@@ -5,6 +5,9 @@ Launch order::
     deterministic=False: preprocess (also zeroes dq_accum) -> dkdv<atomic dQ> -> convert_dq -> [reduce_dkdv]
     deterministic=True:  preprocess -> dkdv<no dQ> -> dq                             -> [reduce_dkdv]
 
+On sm_90a the deterministic backward orders the dK/dV kernel's dQ adds instead where it can
+(:func:`ordered_dq_fits`), and at D256 the default backward takes the deterministic plan (:func:`split_dq`).
+
 With GQA / MQA the dK/dV kernel runs one block per ``dkdv_heads`` query heads of a group (see
 :func:`dkdv_heads`: enough blocks to fill the GPU), keeping dK / dV in registers across those heads; when
 that is less than the whole group it writes fp32 partials, and ``reduce_dkdv`` sums each group's in a fixed
@@ -67,8 +70,8 @@ class DkdvConfig:
 
 @dataclass(frozen=True)
 class DqConfig:
-    """One deterministic dQ variant: the template arguments of
-    ``flash_bwd_dq_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod>``, in order."""
+    """One dQ-kernel variant: the template arguments of
+    ``flash_bwd_dq_kernel<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kMainloop>``, in order."""
 
     dtype: str
     head_dim: int
@@ -77,6 +80,7 @@ class DqConfig:
     num_warps: int
     mask: int
     score_mod: int
+    mainloop: int  # DQ_MAINLOOP_SM80 (mma.sync) or DQ_MAINLOOP_SM90 (wgmma)
 
 
 @dataclass(frozen=True)
@@ -310,6 +314,32 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0,
     return BwdTile(*_DKDV_TILES[_tier(arch)][head_dim_bucket])
 
 
+#: The dQ kernel's mainloops (its kMainloop template argument): mma.sync, or wgmma (sm_90a).
+DQ_MAINLOOP_SM80, DQ_MAINLOOP_SM90 = 0, 1
+
+#: The wgmma dQ tile, by head-dim bucket: a warpgroup per 64 queries, all head-dim columns of their dQ in
+#: registers (D256: 128 accumulators per thread), K / V double-buffered. 256: 128 queries x 32 keys, 8 warps:
+#: Q and dO resident (128 KB) and two stages of K, V (64 KB); 64-key stages would not fit beside them.
+_DQ_TILES_WGMMA = {256: (128, 32, 8)}
+
+
+def dq_uses_wgmma(arch: int, head_dim_bucket: int, mask: int, score_mod: int) -> bool:
+    """Whether the dQ kernel of this variant runs the wgmma mainloop (cuda_src/cuflash/dq_mainloop_sm90.cuh):
+    sm_90a, the buckets with a wgmma dQ tile, without a score modifier or the bool mask / dropout kinds (the
+    masks whose dK/dV kernel takes the warp-specialized mainloop)."""
+    return (arch_caps(arch).has_wgmma and head_dim_bucket in _DQ_TILES_WGMMA and score_mod == 0
+            and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL))
+
+
+def split_dq(arch: int, head_dim_bucket: int, mask: int, score_mod: int) -> bool:
+    """Whether the default (non-deterministic) backward computes dQ in the dQ kernel, as the deterministic one
+    does, instead of the dK/dV kernel's atomic step. H100, B4 H8 S4k D256 (session 18, ncu): the dK/dV kernel
+    ran 4890 us with the atomic step and 2167 us without it: its 64-key tile adds 64 KB of fp32 partials into
+    dq_accum per 10.5 MFLOP step (twice D128's bytes per FLOP), and those adds, not the GEMMs, set its pace.
+    The wgmma dQ kernel recomputes S and dP instead. The two modes are then one plan (bit-identical)."""
+    return dq_uses_wgmma(arch, head_dim_bucket, mask, score_mod)
+
+
 def dq_tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0) -> BwdTile:
     """(kBlockM, kBlockN, kNWarps) of the deterministic dQ kernel. The bias variant's reads (hoisted ahead
     of the exp by ptxas) spilled 40-148 bytes at D32 (128 x 128) and 16-52 at D128 (128 x 64) on sm_90a:
@@ -381,8 +411,15 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     hold whole query blocks (D64, D128), without a bool mask or dropout (their staged tiles and per-score state
     do not fit beside the producer's stages and dQ tiles), and without a score modifier but a bias alone at
     D128 (its tile staged in the dS tiles on the atomic path; D64 with a modifier is on mma.sync)."""
-    return (bucket in (64, 128) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
+    return (bucket in (64, 128, 256) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
             and (score_mod == 0 or (score_mod == MOD_BIAS and bucket == 128)))
+
+
+def ws_exchanges(bucket: int) -> bool:
+    """Whether the warp-specialized dK/dV tile splits the head dim over its two warpgroups (D256: DkdvConfig's
+    kWarpsD = 2): P^T and dS^T then go through shared tiles, and the atomic dQ step adds from registers (no
+    staging tiles, so no ordered adds)."""
+    return bucket == 256
 
 
 def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: bool) -> int:
@@ -399,8 +436,13 @@ def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: 
 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
     """Mirror of what DkdvMainloopSm90Ws adds to DkdvConfig's layout: a second dS^T tile and two fp32 dQ
-    staging tiles (atomic path), then its mbarriers (1 + 2 * 2 stages + 4, rounded to 16 bytes)."""
-    extra = (block_n * block_m * ELEM_BYTES + 2 * block_m * head_dim * 4) if atomic_dq else 0
+    staging tiles (atomic path), or with the exchanged layout (ws_exchanges) a second P^T and dS^T pair, then
+    its mbarriers (1 + 2 * 2 stages + 4, rounded to 16 bytes)."""
+    tile_p = block_n * block_m * ELEM_BYTES
+    if ws_exchanges(head_dim):
+        extra = 2 * tile_p
+    else:
+        extra = (tile_p + 2 * block_m * head_dim * 4) if atomic_dq else 0
     return extra + (9 * 8 + 15) // 16 * 16
 
 
@@ -434,11 +476,13 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool,
 
 
 def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: int = 0) -> KernelVariant:
-    tile = dq_tile_sm80(arch, bucket, mask != 0, score_mod)
+    wgmma = dq_uses_wgmma(arch, bucket, mask, score_mod)
+    tile = BwdTile(*_DQ_TILES_WGMMA[bucket]) if wgmma else dq_tile_sm80(arch, bucket, mask != 0, score_mod)
     smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dq_kernel",
-        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod)),
+        DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod),
+                 DQ_MAINLOOP_SM90 if wgmma else DQ_MAINLOOP_SM80),
         tile.num_warps * 32, smem), arch)
 
 
@@ -500,7 +544,7 @@ def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
     its own: sm_90a, the warp-specialized tiles, and the masks whose key blocks adding into a query block are
     always 0 .. n (none, causal; the general kinds, packed sequences among them, keep the dQ kernel). The kernel
     is the atomic backward's own, which takes the warp-specialized mainloop wherever it fits."""
-    return (dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS
+    return (dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS and not ws_exchanges(bucket)
             and mask in (MASK_NONE, MASK_CAUSAL))
 
 
@@ -533,7 +577,8 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         fields.extend(list_fields)
 
     ordered = deterministic and not shape.packed and ordered_dq_fits(arch, bucket, mask, mod)
-    dkdv = dkdv_variant(arch, dtype, bucket, mask, not deterministic or ordered, mod)  # ordered: the default's kernel
+    separate_dq = (deterministic and not ordered) or split_dq(arch, bucket, mask, mod)  # dQ in the dQ kernel
+    dkdv = dkdv_variant(arch, dtype, bucket, mask, not separate_dq, mod)  # ordered: the default's kernel
     if general:  # the query blocks of each key block
         add_lists(dkdv, True)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
@@ -546,7 +591,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
         scratch.append(("dq_accum", (rows + _ceil_div(b * h * blocks_per_head, width), width)))
         fields += [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head)]
-    elif deterministic:
+    elif separate_dq:
         dq = dq_variant(arch, dtype, bucket, mask, mod)
         if general:  # the key blocks of each query block
             add_lists(dq, False)
