@@ -70,6 +70,8 @@ def cases(quick: bool = False) -> list:
             Case("persistent: more tiles than SMs (140), a CTA walks two, GQA", dtype, 35, 70, 90, 4, 2, 128, 128, False,
                  False, False),
             Case("D 256, MQA, deterministic", dtype, 1, 65, 131, 2, 1, 256, 256, False, True, False),
+            Case("D 256 causal, GQA, several blocks: the warp-specialized dK/dV (P^T / dS^T exchanged) and the wgmma "
+                 "dQ kernel (three stages)", dtype, 2, 333, 290, 4, 2, 256, 256, True, False, True),
             Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
             Case("general mask: window + documents, GQA, block lists", dtype, 2, 150, 211, 4, 2, 64, 64, True,
                  False, False, "window+segments"),
