@@ -5,13 +5,8 @@
 // probs_rows / dscores_rows and the epilogue are shared), all kHeadDim columns of their dQ. Per streamed key
 // block: S = Q.K^T and dP = dO.V^T (Q / dO and K / V K-major from shared memory, issued together, dP under the
 // exp) -> P, dS in registers -> dQ += dS.K with dS as wgmma's A operand from registers and K MN-major. Q and dO
-// load once; K and V stream through three stages (the next block's cp.async right after the barrier that opens
-// the current one). A block's dQ GEMM is issued in the next step, after that step's S / dP, and runs under its
-// exp and dS math; it completes before the step ends, so the next barrier frees its K stage for the loads after
-// it (the block before the previous one's stage). H100 (session 18, ncu, B4 H8 S4k D256): 1716 -> 1599 us
-// against the dQ GEMM issued and completed after its own block's dS (two stages). Keeping it in flight across
-// the loop's back edge or its barrier instead made ptxas serialize every wgmma (C7514 / C7515).
-// No atomics: dQ is bit-identical run to run.
+// load once; K and V are double-buffered (the next block's cp.async right after the barrier that opens the
+// current one). No atomics: dQ is bit-identical run to run.
 //
 // Why it exists: at head dim 256 the dK/dV kernel's atomic dQ step (64 queries x 256 fp32 columns added into
 // dq_accum per 64-key step, twice the bytes per FLOP of D128's 128-key tile) took more than half of that
@@ -32,10 +27,7 @@ struct DqMainloopSm90 {
     using TileQ = typename Cfg::TileQ;
     using TileK = typename Cfg::TileK;
     using Blocks = typename Cfg::Blocks;
-    // Cfg's layout up to K (Q, dO), then kStages K tiles and kStages V tiles (DqConfig's own has two of each).
-    static constexpr int kStages = 3;
-    static constexpr int kOffV = Cfg::kOffK + kStages * TileK::kBytes;
-    static constexpr int kSmemBytes = kOffV + kStages * TileK::kBytes;
+    static constexpr int kSmemBytes = Cfg::kSmemBytes;
     static constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
     static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
     static_assert(Cfg::kWarpsD == 1 && Cfg::kNWarps % 4 == 0 && kBlockM == 16 * Cfg::kNWarps && kBlockN % 16 == 0 &&
@@ -56,7 +48,7 @@ struct DqMainloopSm90 {
         const int k0 = n * kBlockN;
         copy_tile_flat<TileK, Cfg::kThreads, true>(smem + Cfg::kOffK + stage * TileK::kBytes, seq.k<Elem>(p, k0),
                                                    p.k_row_stride, seq.seqlen_k - k0, p.head_dim, tid);
-        copy_tile_flat<TileK, Cfg::kThreads, true>(smem + kOffV + stage * TileK::kBytes, seq.v<Elem>(p, k0),
+        copy_tile_flat<TileK, Cfg::kThreads, true>(smem + Cfg::kOffV + stage * TileK::kBytes, seq.v<Elem>(p, k0),
                                                    p.v_row_stride, seq.seqlen_k - k0, p.head_dim_v, tid);
     }
 
@@ -94,69 +86,44 @@ struct DqMainloopSm90 {
             sm80::cp_async_commit();
         }
         const float scale_log2 = Cfg::ScoreMod::exp_factor(params);
-        // dQ += dS . K of the previous block (its dS packed into wgmma's A layout, its K stage), issued after this
-        // block's S / dP so that it runs under their exp and dS math; the loop's last block's after the loop.
-        unsigned ds_frag[kNTiles / 2][4];
-        int stage = 0, prev_stage = 0;
         for (int j = 0; j < num_blocks; ++j) {
+            const int stage = j & 1;
             const int key0 = blocks.block(j) * kBlockN;
             const unsigned s_k = smem + Cfg::kOffK + stage * TileK::kBytes;
-            const unsigned s_v = smem + kOffV + stage * TileK::kBytes;
-            const int next_stage = stage + 1 == kStages ? 0 : stage + 1;
+            const unsigned s_v = smem + Cfg::kOffV + stage * TileK::kBytes;
 
-            // This key block has landed (visible to wgmma's async proxy), and every warp has completed the GEMMs
-            // of block j - 2 (its dQ GEMM: waited for in step j - 1), whose stage the next block's loads take.
+            // This key block has landed (visible to wgmma's async proxy) and every warp is done with the
+            // previous one (its dQ GEMM completed below), so the other stage may be overwritten.
             sm80::cp_async_wait<0>();
             sm90::fence_proxy_async();
             __syncthreads();
             if (j + 1 < num_blocks) {
                 load_keys(params, SeqInfo::key_side<LayoutOf<Cfg::kMask>::value>(params, opaque(b), opaque(h)), smem,
-                          blocks.block(j + 1), next_stage, opaque(tid));
+                          blocks.block(j + 1), stage ^ 1, opaque(tid));
                 sm80::cp_async_commit();
             }
 
-            // S = Q . K^T and dP = dO . V^T of the warpgroup's 64 queries x kBlockN keys, one batch each, then the
-            // previous block's dQ batch.
+            // S = Q . K^T and dP = dO . V^T of the warpgroup's 64 queries x kBlockN keys, one batch each.
             float acc_s[1][kNTiles][4], acc_dp[1][kNTiles][4];
             float aux[1][kNTiles][4];  // the score modifier's backward factor (dropped for the identity)
             sm90::gemm_abt<Elem, Cfg::kHeadDim, kBlockM, kBlockN>(acc_s[0], s_q, wg_row0, s_k, 0, false);
             sm90::gemm_abt<Elem, Cfg::kHeadDim, kBlockM, kBlockN>(acc_dp[0], s_do, wg_row0, s_v, 0, false);
-            // (The first block has no previous one: an empty batch keeps the waits below the same.)
-            if (j > 0) {
-                sm90::fence_operand(acc_dq);
-                sm90::gemm_rs<Elem, kNTiles / 2, kBlockN>(acc_dq, ds_frag, smem + Cfg::kOffK + prev_stage * TileK::kBytes,
-                                                          0, 0, true);
-            } else {
-                sm90::commit();
-            }
             sm90::fence_operand(acc_dp[0]);
-            sm90::wait<2>();
+            sm90::wait<1>();
             sm90::fence_operand(acc_s[0]);
             probs_rows<Cfg>(acc_s, aux, mod, mask, blocks.masked(j), query0, key0, query0 + row0, key0, lse2,
                             scale_log2);
             dropout.mark_rows(acc_s, query0 + row0, key0);
-            sm90::wait<1>();  // dP (the previous block's dQ may still run)
+            sm90::wait<0>();
             sm90::fence_operand(acc_dp[0]);
             dscores_rows<Cfg>(acc_dp, acc_s, aux, mod, dsum, Cfg::Dropout::rp(params));
-            unsigned ds_next[kNTiles / 2][4];
-            pack_a<Elem>(ds_next, acc_dp[0]);
-            // The previous block's dQ done: its K stage is free for the loads after the next barrier, and its A
-            // registers take this block's dS.
-            sm90::wait<0>();
+
+            // dQ += dS . K: dS from registers (the C layout packed into wgmma's A layout), K MN-major.
+            unsigned ds_frag[kNTiles / 2][4];
+            pack_a<Elem>(ds_frag, acc_dp[0]);
             sm90::fence_operand(acc_dq);
-#pragma unroll
-            for (int kk = 0; kk < kNTiles / 2; ++kk) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) ds_frag[kk][e] = ds_next[kk][e];
-            }
-            prev_stage = stage;
-            stage = next_stage;
-        }
-        if (num_blocks > 0) {
-            sm90::fence_operand(acc_dq);
-            sm90::gemm_rs<Elem, kNTiles / 2, kBlockN>(acc_dq, ds_frag, smem + Cfg::kOffK + prev_stage * TileK::kBytes, 0,
-                                                      0, true);
-            sm90::wait<0>();
+            sm90::gemm_rs<Elem, kNTiles / 2, kBlockN>(acc_dq, ds_frag, s_k, 0, 0, true);
+            sm90::wait<0>();  // K of this stage is read before the next barrier lets it be overwritten
             sm90::fence_operand(acc_dq);
         }
     }

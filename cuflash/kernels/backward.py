@@ -318,8 +318,8 @@ def tile_sm80(arch: int, head_dim_bucket: int, causal: bool, score_mod: int = 0,
 DQ_MAINLOOP_SM80, DQ_MAINLOOP_SM90 = 0, 1
 
 #: The wgmma dQ tile, by head-dim bucket: a warpgroup per 64 queries, all head-dim columns of their dQ in
-#: registers (D256: 128 accumulators per thread), K / V in three stages. 256: 128 queries x 32 keys, 8 warps:
-#: Q and dO resident (128 KB) and three stages of K, V (96 KB); 64-key stages would not fit beside them.
+#: registers (D256: 128 accumulators per thread), K / V double-buffered. 256: 128 queries x 32 keys, 8 warps:
+#: Q and dO resident (128 KB) and two stages of K, V (64 KB); 64-key stages would not fit beside them.
 _DQ_TILES_WGMMA = {256: (128, 32, 8)}
 
 
@@ -374,14 +374,12 @@ def dkdv_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, a
     return 2 * tile_k + 4 * tile_q + (int(has_p) + int(has_ds)) * tile_p + 4 * block_m * 4 + bias_bytes
 
 
-def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int, wgmma: bool = False) -> int:
+def dq_smem_bytes(head_dim: int, block_m: int, block_n: int, num_warps: int) -> int:
     """Mirror of ``DqConfig::kSmemBytes``: Q, dO once; K, V two stages each; a dS tile (block_m x
-    block_n) when the head dim is split across warps. ``wgmma``: ``DqMainloopSm90::kSmemBytes``, three stages."""
+    block_n) when the head dim is split across warps."""
     warps_d = num_warps // (block_m // 16)
     tile_q = block_m * head_dim * ELEM_BYTES
     tile_k = block_n * head_dim * ELEM_BYTES
-    if wgmma:
-        return 2 * tile_q + 6 * tile_k
     return 2 * tile_q + 4 * tile_k + (block_m * block_n * ELEM_BYTES if warps_d > 1 else 0)
 
 
@@ -480,7 +478,7 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool,
 def dq_variant(arch: int, dtype: str, bucket: int, mask: int, score_mod: int = 0) -> KernelVariant:
     wgmma = dq_uses_wgmma(arch, bucket, mask, score_mod)
     tile = BwdTile(*_DQ_TILES_WGMMA[bucket]) if wgmma else dq_tile_sm80(arch, bucket, mask != 0, score_mod)
-    smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, wgmma)
+    smem = dq_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps)
     return _check_fits(KernelVariant(
         SOURCE, "cuflash::flash_bwd_dq_kernel",
         DqConfig(dtype, bucket, tile.block_m, tile.block_n, tile.num_warps, int(mask), int(score_mod),
