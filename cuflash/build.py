@@ -294,6 +294,9 @@ def get_kernel(variant: KernelVariant, device_id: int, compute_capability: str,
 
         arch = arch_of_compute_capability(compute_capability)
         compiled = compile_variant(variant, arch)
+        from .launch import ensure_context
+
+        ensure_context(device_id)  # CuPy's Device() binds none where the device is already the current one
         with cupy.cuda.Device(device_id):
             limit = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
             if variant.smem_bytes > limit:

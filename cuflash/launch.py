@@ -117,16 +117,14 @@ def run(plan: Plan, params, device_id: int, stream) -> None:
     handling re-derives a structured array's description on every call (~40 µs of host time).
     The driver copies the parameter block at launch, so ``params`` need only live until it returns.
     """
-    from cupy_backends.cuda.api import driver
-
     cc = compute_capability(device_id)
     argv = (ctypes.c_void_p * 1)(params.ctypes.data)
     stream_ptr = stream.ptr
     for item in plan.launches:
         kernel = build.get_kernel(item.variant, device_id, cc, item.smem_bytes)
         gx, gy, gz = item.grid
-        driver.launchKernel(kernel.function.ptr, gx, gy, gz, item.variant.threads, 1, 1,
-                            item.smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
+        launch_kernel(device_id, kernel.function.ptr, gx, gy, gz, item.variant.threads, 1, 1,
+                      item.smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
 
 
 def scratch_bytes(plan: Plan) -> int:
@@ -223,7 +221,40 @@ class CallPlan:
         block, argv_address, _ = self._thread_buffer()
         self._pack(block, 0, *pointers)
         for function, gx, gy, gz, threads, smem in self.launches:
-            _launch_kernel(function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
+            launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
+
+
+#: CUresult CUDA_ERROR_INVALID_CONTEXT: no context is current on the calling thread.
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def launch_kernel(device_id: int, *args) -> None:
+    """``cuLaunchKernel(*args)`` on device ``device_id``, binding the device's primary context to this
+    thread first where the driver finds none current (:func:`ensure_context`), then launching again."""
+    try:
+        _launch_kernel(*args)
+    except Exception as exc:  # noqa: BLE001 - CuPy's CUDADriverError, imported lazily
+        if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+            raise
+        ensure_context(device_id)
+        _launch_kernel(*args)
+
+
+def ensure_context(device_id: int) -> None:
+    """Make ``device_id``'s primary context (the one CuPy and torch share) current on this thread, if no
+    context is. The driver calls cuflash makes itself (cuLaunchKernel; cuModuleLoadData through CuPy)
+    need one, and a thread whose CUDA runtime calls so far needed none has none: torch's autograd worker
+    thread, which torch binds to a device only where ``cudaGetDevice`` names another, runs a backward whose
+    buffers all come from torch's cache without a runtime call that would bind it (H100, session 19: the
+    adapter's backward failed with CUDA_ERROR_INVALID_CONTEXT after no-autograd calls of the same shapes
+    had filled the cache). ``cudaSetDevice`` binds the primary context (CUDA 12 and later)."""
+    from cupy_backends.cuda.api import driver, runtime
+
+    if driver.ctxGetCurrent() != 0:
+        return
+    runtime.setDevice(device_id)
+    if driver.ctxGetCurrent() == 0:
+        raise RuntimeError(f"cuflash could not make device {device_id}'s CUDA context current on this thread")
 
 
 def _launch_kernel(*args):

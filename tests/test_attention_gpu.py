@@ -593,3 +593,44 @@ def test_attention_wrapper_matches_forward():
     both = cuflash.attention(x.q, x.k, x.v, causal=True, return_lse=True)
     assert gu.bit_identical(cupy.asarray(only_out), out)
     assert gu.bit_identical(cupy.asarray(both[0]), out) and gu.bit_identical(cupy.asarray(both[1]), lse)
+
+
+def test_calls_from_a_thread_with_no_current_context():
+    """A thread with no CUDA context current (torch's autograd worker thread can be one: its backward may
+    make no runtime call that binds one, every buffer coming from torch's cache) calls the forward and the
+    backward with every buffer given: cuflash binds the device's primary context (launch.ensure_context),
+    and the results are bit-identical to the main thread's (deterministic backward). Before the fix the
+    driver refused the launch with CUDA_ERROR_INVALID_CONTEXT (H100, session 19)."""
+    import threading
+
+    from cupy_backends.cuda.api import driver
+
+    p = Problem("bf16", B=1, Sq=77, Sk=130, H=4, Hkv=2, D=64, causal=True)
+    x = gu.make_inputs(p)
+    options = {"causal": True}
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, **options)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **options)
+    out2, lse2 = gu.nan_buffer(out.shape, out.dtype), gu.nan_buffer(lse.shape, lse.dtype)
+    grads2 = [gu.nan_buffer(g.shape, g.dtype) for g in grads]
+    workspace = {name: gu.nan_buffer(shape, cupy.float32)
+                 for name, shape in cuflash.backward_workspace(x.q, x.k, x.v, deterministic=True, **options).items()}
+    cupy.cuda.Device().synchronize()
+    failures = []
+
+    def worker():
+        try:
+            driver.ctxSetCurrent(0)
+            assert driver.ctxGetCurrent() == 0
+            cuflash.attention_forward(x.q, x.k, x.v, out=out2, lse=lse2, **options)
+            cuflash.attention_backward(x.dout, x.q, x.k, x.v, out2, lse2, deterministic=True, dq=grads2[0],
+                                       dk=grads2[1], dv=grads2[2], workspace=workspace, **options)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not failures, failures[0]
+    cupy.cuda.Device().synchronize()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (out2, lse2, *grads2)):
+        assert gu.bit_identical(a, b), name

@@ -298,3 +298,40 @@ def test_calls_with_a_bool_mask_or_a_bias_are_cached(gpu, checks, entry):
 
         with pytest.raises(KeyError):
             api._score_options_key(dict(opts2, bias=gpu.array((1, 4, 33, 47), BF16)), bias_ok=False)
+
+
+class _NoContext(Exception):
+    """Stands in for CuPy's CUDADriverError where the thread has no current context."""
+
+    status = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def test_launch_binds_the_context_where_the_thread_has_none(gpu, monkeypatch):
+    """A launch the driver refuses for want of a current context binds the device's context and launches
+    again (torch's autograd thread can have none: cuflash.launch.ensure_context); other errors propagate."""
+    bound = []
+    monkeypatch.setattr(launch, "ensure_context", bound.append)
+    recorded = gpu.launch_kernel
+    refusals = {"left": 1}
+
+    def refusing(*args):
+        if refusals["left"]:
+            refusals["left"] -= 1
+            raise _NoContext()
+        return recorded(*args)
+
+    monkeypatch.setattr(launch, "_launch_kernel", refusing)
+    q, k, v = (gpu.array((1, 33, 2, 64), BF16) for _ in range(3))
+    cuflash.attention_forward(q, k, v)
+    assert bound == [0] and len(gpu.launches) == 1
+
+    class Other(Exception):
+        status = 1  # CUDA_ERROR_INVALID_VALUE
+
+    def failing(*args):
+        raise Other()
+
+    monkeypatch.setattr(launch, "_launch_kernel", failing)
+    with pytest.raises(Other):
+        cuflash.attention_forward(q, k, v)
+    assert bound == [0]

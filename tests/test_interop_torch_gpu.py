@@ -472,3 +472,38 @@ def test_kvcache_op_appends_and_attends(mode):
         assert torch.equal(k_cache[b, :n0], before_k[b, :n0]) and torch.equal(k_cache[b, n1:], before_k[b, n1:])
     ref = _kvcache_reference(q, before_k, before_v, k_new, v_new, lengths, **options)
     assert out.shape == q.shape and _error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+_AUTOGRAD_THREAD_SCRIPT = """
+import sys
+import torch
+import cuflash.interop.torch as cft
+T = sys.modules["cuflash.interop.torch"]
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v, dout = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+opts = T._op_options({})
+for _ in range(3):  # without autograd, on this thread: torch's cache then holds every buffer the backward takes
+    out, lse = T._attention_fwd(q, k, v, *opts)
+    T._attention_bwd(dout, q, k, v, out, lse, None, *opts)
+expected = T._attention_bwd(dout, q, k, v, out, lse, None, *opts)[0]
+qg = q.detach().requires_grad_()
+cft.attention(qg, k, v).backward(dout)  # the first CUDA work of autograd's worker thread
+torch.cuda.synchronize()
+print("max difference", float((qg.grad.float() - expected.float()).abs().max()))
+"""
+
+
+def test_backward_on_a_fresh_autograd_thread():
+    """A fresh process whose first backward runs on autograd's worker thread with every buffer from torch's
+    cache: that thread had no CUDA context current and the launch failed (CUDA_ERROR_INVALID_CONTEXT, H100,
+    session 19) until cuflash bound the device's context itself (cuflash.launch.ensure_context). Its dq must
+    match the same backward called without autograd (the atomic dQ adds may order differently)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _AUTOGRAD_THREAD_SCRIPT], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    difference = float(done.stdout.split("max difference")[-1])
+    assert difference < 2e-2, done.stdout
