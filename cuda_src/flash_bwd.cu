@@ -14,7 +14,8 @@
 //   flash_bwd_dq_kernel           dQ without atomics: one block per query block, walks its key blocks
 //                                 (the deterministic backward; on sm_90a at D256 the default one too,
 //                                 whose dK/dV kernel then has no dQ step: backward.split_dq).
-//   flash_bwd_convert_dq_kernel   dq = scale * dq_accum (atomic path).
+//   flash_bwd_convert_dq_kernel   dq = scale * dq_accum (atomic path; kSwizzledDq after the warp-specialized
+//                                 dK/dV kernel, whose staged adds permute each row: dq_accum_chunk).
 //   flash_bwd_reduce_dkdv_kernel  GQA, when a block holds less than a whole group: sums a group's dK/dV
 //                                 partials in a fixed order.
 //
@@ -198,12 +199,13 @@ flash_bwd_dq_kernel(const AttnParams params) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Atomic path epilogue: dq = scale * dq_accum. Grid (ceil(Sq / kBlockM), H, B).
-template <typename Elem, int kHeadDim, int kBlockM, int kNWarps>
+// Atomic path epilogue: dq = scale * dq_accum. Grid (ceil(Sq / kBlockM), H, B). kSwizzledDq: the dK/dV kernel
+// staged its dQ adds in dq_accum_chunk's order (the warp-specialized mainloop, bwd_config.cuh).
+template <typename Elem, int kHeadDim, int kBlockM, int kNWarps, bool kSwizzledDq>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_bwd_convert_dq_kernel(const AttnParams params) {
-    convert_dq_rows<Elem, kHeadDim, kBlockM, kNWarps * 32>(params, SeqInfo(params, blockIdx.z, blockIdx.y),
-                                                           blockIdx.x * kBlockM);
+    convert_dq_rows<Elem, kHeadDim, kBlockM, kNWarps * 32, kSwizzledDq>(params, SeqInfo(params, blockIdx.z, blockIdx.y),
+                                                                        blockIdx.x * kBlockM);
 }
 
 // ---------------------------------------------------------------------------------------------------

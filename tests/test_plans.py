@@ -255,3 +255,25 @@ def test_d256_backward_splits_dq_on_sm90(causal, mask_kw):
                            **mask_kw)
     names = [launch.variant.name for launch in kernels.plan_backward(softcap, 90, False).launches]
     assert "cuflash::flash_bwd_dq_kernel" not in names and "cuflash::flash_bwd_convert_dq_kernel" in names
+
+
+@pytest.mark.parametrize("arch, bucket, kw, swizzled", [
+    (90, 128, {}, True), (90, 64, dict(causal=True), True), (90, 128, dict(deterministic=True), True),
+    (90, 128, dict(score_mod=kernels.MOD_BIAS), True),  # the bias staged in the dS tiles: the same dQ staging
+    (90, 128, dict(score_mod=kernels.MOD_SOFTCAP_ALIBI), False),  # the 8-warp wgmma mainloop: atomics, row-major
+    (90, 96, {}, False), (80, 128, {}, False), (80, 64, dict(deterministic=True), None)])
+def test_dq_convert_reads_the_order_its_dkdv_kernel_wrote(arch, bucket, kw, swizzled):
+    """The warp-specialized dK/dV kernel stages dQ in dq_accum_chunk's order; the convert after it reads that
+    order (kSwizzledDq), every other dQ writer's convert reads row-major; a plan with a dQ kernel has none."""
+    deterministic = kw.pop("deterministic", False)
+    score_mod = kw.pop("score_mod", 0)
+    shape = ProblemShape(2, 1000, 1000, 4, 2, bucket, bucket, "bfloat16", kw.pop("causal", False), score_mod=score_mod)
+    plan = backward.plan_backward(shape, arch, deterministic, num_sms=132)
+    (dkdv,) = _launch(plan, "flash_bwd_dkdv_kernel")
+    converts = _launch(plan, "flash_bwd_convert_dq_kernel")
+    if swizzled is None:
+        assert not converts and _launch(plan, "flash_bwd_dq_kernel")
+        return
+    (convert,) = converts
+    assert convert.variant.config.swizzled is swizzled is backward.stages_dq(dkdv.variant)
+    assert (dkdv.variant.config.mainloop == backward.MAINLOOP_SM90_WS) is swizzled

@@ -23,6 +23,19 @@ namespace cuflash {
 // (cuflash/kernels/backward.py: DQ_ACCUM_BLOCK_ROWS).
 constexpr int kDqAccumBlockRows = 128;
 
+// dq_accum's order within a row where the warp-specialized dK/dV kernel stages dQ for its bulk adds
+// (DkdvMainloopSm90Ws::kStagedDq; flash_bwd_convert_dq_kernel's kSwizzledDq reads it back). A row keeps its
+// own kHeadDim floats, permuted in 16-byte chunks: chunk L = 4 * (col / 16) + (col % 8) / 2 holds columns
+// 16c + 2t, +1, 16c + 8 + 2t, +1 (c = col / 16, t = (col % 8) / 2), which is what a thread of the mma C-fragment
+// layout holds of one row across two adjacent n-tiles, so the staging stores its registers as they are, one
+// 16-byte store per row and n-tile pair with no shuffle or select; and chunk L sits at L ^ (4 * (row % 2)), so
+// the quarter-warp of a store (rows g, g + 1 of 128-byte multiples apart, t = 0..3) covers all 32 banks. The
+// rows stay whole (the ordered adds add the sequence's rows only) and the tile-relative row's parity is the
+// sequence-relative one (query blocks start at even rows).
+__device__ __forceinline__ int dq_accum_chunk(int row, int col) {
+    return (4 * (col / 16) + (col % 8) / 2) ^ (4 * (row & 1));
+}
+
 // lse (natural log) -> the log2-domain offset subtracted inside exp2. A row that sees no key has
 // lse = -inf; +inf makes all its P exactly 0 (masked scores give -inf - inf = -inf: still 0).
 __device__ __forceinline__ float lse_log2_offset(float lse) {

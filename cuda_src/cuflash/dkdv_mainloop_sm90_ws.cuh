@@ -9,7 +9,8 @@
 //   dq_empty[d]      the producer's bulk add has read tile d (producer -> consumers)
 // The producer copies with cp.async (DkdvLoads on its 128 threads) and publishes a stage the way the
 // warp-specialized forward does (wait_group, fence.proxy.async, arrive); one producer thread adds each
-// step's staged dQ (kBlockM contiguous dq_accum rows) with one cp.reduce.async.bulk.
+// step's staged dQ (kBlockM contiguous dq_accum rows, each in dq_accum_chunk's order: bwd_config.cuh) with one
+// cp.reduce.async.bulk.
 //
 // Consumers, per step: wait q_full; S^T and dP^T (wgmma) -> P^T, dS^T (DkdvMainloop::probs_and_dscores,
 // shared with the other mainloops); on the atomic path dS^T into the step's shared tile (two, alternating)
@@ -81,7 +82,7 @@ struct DkdvMainloopSm90Ws {
 #endif
 
     // Shared memory: Cfg's layout (its P^T / dS^T tiles are pair 0), then the second P^T tile (kExchange), the
-    // second dS^T tile, the two dQ staging tiles (kBlockM rows x kHeadDim fp32, dq_accum's own row layout;
+    // second dS^T tile, the two dQ staging tiles (kBlockM rows x kHeadDim fp32, dq_accum's rows in dq_accum_chunk's order;
     // kStagedDq) and the mbarriers.
     static constexpr int kDqTileBytes = Cfg::kBlockM * Cfg::kHeadDim * 4;
     static constexpr int kOffP1 = Cfg::kSmemBytes;
@@ -438,42 +439,29 @@ struct DkdvMainloopSm90Ws {
         }
     }
 
-    // The warp's part of the step's dQ into the staging tile (row-major fp32, kHeadDim per row: the rows
-    // of dq_accum, so one bulk add moves the whole tile); the generic-proxy stores are fenced for it.
-    // Rows are 128-byte multiples apart, so stores of the fragment layout (8 rows, the same columns) would
-    // land on the same banks. Instead a thread pair swaps halves (one shuffle per two floats) and each thread
-    // stores 16 bytes; even rows write the 16 columns of one n-tile pair and odd rows the pair beside it, so
-    // a store instruction covers 8 rows x 64 bytes on all 32 banks (4 wavefronts for 512 bytes).
+    // The warp's part of the step's dQ into the staging tile (kBlockM rows of kHeadDim fp32, dq_accum's rows, so one
+    // bulk add moves the whole tile), in dq_accum_chunk's order: per pair of n-tiles a thread's 4 values of row
+    // g, then of row g + 8, each one 16-byte store; the generic-proxy stores are fenced for the bulk add.
+    // (H100, session 20, ncu source counters of D128 S4k: the row-major staging before this, a shuffle per two
+    // floats and selects by lane parity, held ~11% of the kernel's stall samples.)
     template <int kNT>
     static __device__ __forceinline__ void stage_dq(const float (&acc)[kNT][4], const Role& r, unsigned tile) {
         static_assert(DqStep::kSplitQueries || DqStep::kSplitColumns,
                       "each (row, column) of the staged dQ has one writer");
-        static_assert(kNT % 4 == 0, "the staging pairs n-tiles in groups of four");
+        static_assert(kNT % 2 == 0, "the staging pairs adjacent n-tiles");
         const int row = DqStep::query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
-        const bool odd_t = r.t & 1;
-        const int odd_g = r.g & 1;
-        // This thread's 4 columns in its pair's 16: t = 0, 2 the low n-tile's 0-3, 4-7; t = 1, 3 the high one's.
-        const unsigned base = tile + (row * Cfg::kHeadDim + DqStep::panel0(r.warp) * sm90::kPanelCols +
-                                      8 * (r.t & 1) + 2 * (r.t & 2)) * 4;
+        const int col0 = DqStep::panel0(r.warp) * sm90::kPanelCols + 2 * r.t;  // a multiple of 64, plus 2t
+        // Pair p's chunk: that of pair p % 2 plus 4 (p - p % 2) (the row-parity swap stays inside each 32-column
+        // group), so two addresses per thread; rows g + 8 are 8 rows on (the same parity).
+        unsigned at[2];
 #pragma unroll
-        for (int q = 0; q < kNT / 4; ++q) {
+        for (int p = 0; p < 2; ++p) at[p] = tile + (row * Cfg::kHeadDim + 4 * dq_accum_chunk(row, col0 + 16 * p)) * 4;
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int pair = 2 * q + (hh ^ odd_g);
-                const bool upper = hh ^ odd_g;  // n-tiles 4q + 2, 4q + 3 instead of 4q, 4q + 1
+        for (int p = 0; p < kNT / 2; ++p) {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {  // rows g, g + 8
-                    const int j = 2 * half;
-                    const float lo0 = upper ? acc[4 * q + 2][j] : acc[4 * q][j];
-                    const float lo1 = upper ? acc[4 * q + 2][j + 1] : acc[4 * q][j + 1];
-                    const float hi0 = upper ? acc[4 * q + 3][j] : acc[4 * q + 1][j];
-                    const float hi1 = upper ? acc[4 * q + 3][j + 1] : acc[4 * q + 1][j + 1];
-                    const float got0 = __shfl_xor_sync(0xffffffffu, odd_t ? lo0 : hi0, 1);
-                    const float got1 = __shfl_xor_sync(0xffffffffu, odd_t ? lo1 : hi1, 1);
-                    const unsigned at = base + (half * 8 * Cfg::kHeadDim + pair * 16) * 4;
-                    st_shared_f32x4(at, odd_t ? got0 : lo0, odd_t ? got1 : lo1, odd_t ? hi0 : got0,
-                                    odd_t ? hi1 : got1);
-                }
+            for (int half = 0; half < 2; ++half) {  // rows g, g + 8
+                st_shared_f32x4(at[p % 2] + (16 * (p - p % 2) + 8 * half * Cfg::kHeadDim) * 4, acc[2 * p][2 * half],
+                                acc[2 * p][2 * half + 1], acc[2 * p + 1][2 * half], acc[2 * p + 1][2 * half + 1]);
             }
         }
         sm90::fence_proxy_async();

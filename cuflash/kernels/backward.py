@@ -87,12 +87,20 @@ class DqConfig:
 class SmallConfig:
     """The memory-bound helper kernels (pre-pass, dQ convert, GQA dK/dV reduce): the template arguments
     of ``flash_bwd_{preprocess,convert_dq,reduce_dkdv}_kernel<Elem, kHeadDim, kBlockM, kNWarps>``, in order
-    (the reduce kernel calls its rows kBlockN: they are keys)."""
+    (the reduce kernel calls its rows kBlockN: they are keys; the convert adds ConvertDqConfig's field)."""
 
     dtype: str
     head_dim: int
     block_rows: int = SMALL_BLOCK_ROWS  # query rows (key rows for the reduce) per CTA
     num_warps: int = SMALL_NUM_WARPS
+
+
+@dataclass(frozen=True)
+class ConvertDqConfig(SmallConfig):
+    """The dQ convert: SmallConfig's arguments, then ``kSwizzledDq`` (dq_accum's rows in the order the
+    warp-specialized dK/dV kernel stages them: ``dq_accum_chunk`` in cuda_src/cuflash/bwd_config.cuh)."""
+
+    swizzled: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,9 +404,18 @@ def preprocess_variant(dtype: str, bucket: int) -> KernelVariant:
                          SMALL_NUM_WARPS * 32, 0)
 
 
-def convert_dq_variant(dtype: str, bucket: int) -> KernelVariant:
-    return KernelVariant(SOURCE, "cuflash::flash_bwd_convert_dq_kernel", SmallConfig(dtype, bucket),
-                         SMALL_NUM_WARPS * 32, 0)
+def convert_dq_variant(dtype: str, bucket: int, swizzled: bool = False) -> KernelVariant:
+    return KernelVariant(SOURCE, "cuflash::flash_bwd_convert_dq_kernel",
+                         ConvertDqConfig(dtype, bucket, swizzled=swizzled), SMALL_NUM_WARPS * 32, 0)
+
+
+def stages_dq(dkdv: KernelVariant) -> bool:
+    """Whether a dK/dV variant adds its dQ through the warp-specialized mainloop's staging tiles, whose rows it
+    writes in dq_accum_chunk's order (DkdvMainloopSm90Ws::kStagedDq: the atomic step without the head-dim split
+    of the D256 tile, which adds from registers)."""
+    c = dkdv.config
+    warps_d = c.num_warps // (c.block_n // 16)
+    return c.mainloop == MAINLOOP_SM90_WS and c.atomic_dq and warps_d == 1
 
 
 def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
@@ -590,7 +607,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
         # dq_accum's rows and slack, then the counters (int32 in float32 slots, rounded up to whole rows).
         rows, width = dq_accum_shape(shape, bucket)
         blocks_per_head = dq_order_counters(shape, dkdv.config.block_m)
-        launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        launches.append(Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
         scratch.append(("dq_accum", (rows + _ceil_div(b * h * blocks_per_head, width), width)))
         fields += [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head)]
     elif separate_dq:
@@ -599,7 +616,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
             add_lists(dq, False)
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
-        launches.append(Launch(convert_dq_variant(dtype, bucket), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        launches.append(Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
         scratch.append(("dq_accum", dq_accum_shape(shape, bucket)))
     if heads != h // hk:  # partials of each `heads` query heads, summed per group in a fixed order
         reduce = reduce_dkdv_variant(dtype, bucket)
@@ -620,6 +637,8 @@ def all_variants(arch: int) -> list:
         for bucket in HEAD_DIM_BUCKETS:
             out.append(preprocess_variant(dtype, bucket))
             out.append(convert_dq_variant(dtype, bucket))
+            if arch_caps(arch).has_wgmma:  # after the warp-specialized dK/dV kernel's staged adds
+                out.append(convert_dq_variant(dtype, bucket, swizzled=True))
             out.append(reduce_dkdv_variant(dtype, bucket))
             for mask in MASK_KINDS:
                 for mod in SCORE_MODS:
