@@ -265,9 +265,9 @@ def test_d256_backward_splits_dq_on_sm90(causal, mask_kw):
 def test_dq_convert_reads_the_order_its_dkdv_kernel_wrote(arch, bucket, kw, swizzled):
     """The warp-specialized dK/dV kernel stages dQ in dq_accum_chunk's order; the convert after it reads that
     order (kSwizzledDq), every other dQ writer's convert reads row-major; a plan with a dQ kernel has none."""
-    deterministic = kw.pop("deterministic", False)
-    score_mod = kw.pop("score_mod", 0)
-    shape = ProblemShape(2, 1000, 1000, 4, 2, bucket, bucket, "bfloat16", kw.pop("causal", False), score_mod=score_mod)
+    deterministic = kw.get("deterministic", False)
+    shape = ProblemShape(2, 1000, 1000, 4, 2, bucket, bucket, "bfloat16", kw.get("causal", False),
+                         score_mod=kw.get("score_mod", 0))
     plan = backward.plan_backward(shape, arch, deterministic, num_sms=132)
     (dkdv,) = _launch(plan, "flash_bwd_dkdv_kernel")
     converts = _launch(plan, "flash_bwd_convert_dq_kernel")

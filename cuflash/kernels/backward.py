@@ -603,11 +603,14 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
     heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
+    # dq = scale * dq_accum, read in the order the dK/dV kernel's adds wrote (stages_dq); after an atomic dK/dV
+    # kernel or ordered adds.
+    convert = Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))
     if ordered:
         # dq_accum's rows and slack, then the counters (int32 in float32 slots, rounded up to whole rows).
         rows, width = dq_accum_shape(shape, bucket)
         blocks_per_head = dq_order_counters(shape, dkdv.config.block_m)
-        launches.append(Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        launches.append(convert)
         scratch.append(("dq_accum", (rows + _ceil_div(b * h * blocks_per_head, width), width)))
         fields += [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head)]
     elif separate_dq:
@@ -616,7 +619,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
             add_lists(dq, False)
         launches.append(Launch(dq, (_ceil_div(sq, dq.config.block_m), h, b)))
     else:
-        launches.append(Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b)))
+        launches.append(convert)
         scratch.append(("dq_accum", dq_accum_shape(shape, bucket)))
     if heads != h // hk:  # partials of each `heads` query heads, summed per group in a fixed order
         reduce = reduce_dkdv_variant(dtype, bucket)
