@@ -128,7 +128,7 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod, bool kAtomicDq,
           int kMainloop>
 __global__ void __launch_bounds__(kMainloop == kDkdvMainloopSm90Ws ? 384 : kNWarps * 32, 1)
-flash_bwd_dkdv_kernel(const AttnParams params) {
+flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams tma) {  // tma: cuflash/tma_sm90.cuh
     // The warp-specialized mainloop's atomic path stages a bias in its dS tiles (DkdvConfig's kBiasInDs).
     using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq,
                            kMainloop == kDkdvMainloopSm90Ws && has_bias(kScoreMod) && kAtomicDq>;
@@ -154,7 +154,7 @@ flash_bwd_dkdv_kernel(const AttnParams params) {
         __syncthreads();
         if (threadIdx.x < Mainloop::kProducerThreads) {
             sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
-            Mainloop::produce(params, b, group * heads, heads, n_block, blocks, smem);
+            Mainloop::produce(params, tma, b, group * heads, heads, n_block, blocks, smem);
             return;
         }
         sm90::setmaxnreg_inc<Mainloop::kConsumerRegisters>();

@@ -60,7 +60,7 @@ __host__ __device__ constexpr int fwd_threads(int mainloop, int n_warps) { retur
 // loop headers repeat each other: folded into one visitor function, ptxas allocated the measured kernel's
 // registers differently, ~1000 SASS lines changed at D128; left as measured until a GPU run can check it.)
 template <typename Cfg, typename Mainloop, typename Epilogue>
-__device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned smem_q) {
+__device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, const TmaParams& tma, unsigned smem_q) {
     constexpr int kMask = Cfg::kMask, kBlockM = Cfg::kBlockM;
     const FwdTiles<kMask == kCausalMask> tiles(params, kBlockM);
     Mainloop::init_barriers(smem_q);
@@ -86,7 +86,7 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
                 continue;
             }
             const Mainloop mainloop(params, seq, blocks, mask, smem_q, row_begin, 0);
-            mainloop.produce(params, seq, ring);
+            mainloop.produce(params, tma, seq, ring);
         }
         Mainloop::flush(ring);
     } else {
@@ -128,12 +128,14 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, unsigned 
 }
 
 // kMask: a MaskKind (mask.cuh); kScoreMod: a ScoreModKind, the softcap / ALiBi (/ bias) modifier (score_mod.cuh) instead of none.
-// kMainloop: a FwdMainloopKind. The block-per-SM minimum of 1 gives the warp-specialized kernel the register cap
+// kMainloop: a FwdMainloopKind. tma: the tensor maps the warp-specialized mainloop's TMA loads read where they lie,
+// in parameter space (__grid_constant__; cuflash/tma_sm90.cuh). The block-per-SM minimum of 1 gives the warp-specialized kernel the register cap
 // at entry that setmaxnreg needs (168 for 384 threads); the others keep none (0): with 1, ptxas allocated
 // differently and spilled in the 8-warp wgmma kernel with a bool mask and softcap.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, int kMask, int kScoreMod,
           int kMainloop>
-__global__ void __launch_bounds__(fwd_threads(kMainloop, kNWarps), kMainloop == kMainloopSm90Ws ? 1 : 0) flash_fwd_kernel(const AttnParams params) {
+__global__ void __launch_bounds__(fwd_threads(kMainloop, kNWarps), kMainloop == kMainloopSm90Ws ? 1 : 0)
+    flash_fwd_kernel(const AttnParams params, const __grid_constant__ TmaParams tma) {
     using Cfg = FwdConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kStages, kMask, kScoreMod>;
     using Mainloop = FwdMainloopOf<Cfg, kMainloop>;
     constexpr int kThreads = fwd_threads(kMainloop, kNWarps);
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(fwd_threads(kMainloop, kNWarps), kMainloop == 
     Mainloop::check_smem(smem_q);
 
     if constexpr (kMainloop == kMainloopSm90Ws) {
-        flash_fwd_ws<Cfg, Mainloop, Epilogue>(params, smem_q);
+        flash_fwd_ws<Cfg, Mainloop, Epilogue>(params, tma, smem_q);
     } else {
         const int m_block = kMask != kNoMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // masks: longest first
         const SeqInfo seq(params, blockIdx.z, blockIdx.y, LayoutOf<kMask>());

@@ -249,7 +249,7 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=None
                          else launch.OPTION_POINTERS)
                 pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
                     int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
-            plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs)
+            plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs, bias=opts.bias_layout())
             plan.launch(pointers, stream.ptr)
             del owners
             if key is not None and not switched:
@@ -388,7 +388,7 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
                          else launch.OPTION_POINTERS)
                 pointers += tuple(int(params[0][field])
                                   for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
-            call = launch.CallPlan(plan, dev, params, len(pointers), outputs)
+            call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout())
             call.launch(pointers, stream.ptr)
             del owners
             if dbias_accum is not None:  # fp32 sums over the broadcast dims -> the bias's dtype

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from . import build, kernels
+from . import build, kernels, tma
 from .kernels import Plan, ProblemShape
 from .params import params_dtype
 
@@ -116,9 +116,11 @@ def run(plan: Plan, params, device_id: int, stream) -> None:
     Straight through ``cuLaunchKernel`` with a pointer to the params bytes: CuPy's generic argument
     handling re-derives a structured array's description on every call (~40 µs of host time).
     The driver copies the parameter block at launch, so ``params`` need only live until it returns.
+    The second parameter (the forward and dK/dV kernels' TmaParams) holds no map here: ``params`` must not
+    set bias_tma (CallPlan passes the maps).
     """
     cc = compute_capability(device_id)
-    argv = (ctypes.c_void_p * 1)(params.ctypes.data)
+    argv = (ctypes.c_void_p * 2)(params.ctypes.data, _NO_TMA_ADDRESS)
     stream_ptr = stream.ptr
     for item in plan.launches:
         kernel = build.get_kernel(item.variant, device_id, cc, item.smem_bytes)
@@ -146,6 +148,13 @@ PLAIN_POINTERS = 14
 #: (through ``mask``). The packed-sequence offsets after them are never cached (the varlen calls validate every call).
 OPTION_POINTERS = 21
 BIAS_MASK_POINTERS = 25
+#: The bias's index among the pointer fields.
+_BIAS_POINTER = POINTER_FIELDS.index("bias")
+#: Every launch passes two parameters: the AttnParams block and the kernels' TmaParams (cuda_src/cuflash/
+#: tma_sm90.cuh: one 64-byte-aligned tensor map, the bias's), which kernels with one parameter ignore.
+TMA_PARAMS_BYTES = 128
+_NO_TMA = ctypes.create_string_buffer(TMA_PARAMS_BYTES + 64)
+_NO_TMA_ADDRESS = -(-ctypes.addressof(_NO_TMA) // 64) * 64
 #: The scratch buffers a call may carve from one allocation, by pointer field.
 SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "kv_blocks", "q_blocks")
 
@@ -174,9 +183,9 @@ class CallPlan:
     """
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
-                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels")
+                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map")
 
-    def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=()):
+    def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None):
         cc = compute_capability(device_id)
         loaded = [build.get_kernel(item.variant, device_id, cc, item.smem_bytes) for item in plan.launches]
         self._kernels = tuple(loaded)  # keeps the modules (and so the function pointers) alive
@@ -200,6 +209,12 @@ class CallPlan:
         # leaves it null.
         self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in SCRATCH_FIELDS)
         self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
+        # A bias loaded by TMA (params.bias_tma): its tensor map names the bias's address, so a call with
+        # another bias buffer (same shape and strides: the key) launches with that buffer's map.
+        # (shape, element strides, itemsize) of the bias, or None.
+        self._bias_map = bias if bias is not None and int(params[0]["bias_tma"]) else None
+        if self._bias_map is not None and num_pointers <= _BIAS_POINTER:
+            raise AssertionError("a plan loading the bias by TMA must patch the bias pointer")
 
     def params_bytes(self, pointers) -> bytes:
         """The parameter block a call with these pointers launches with (for tests and debugging)."""
@@ -207,19 +222,35 @@ class CallPlan:
         self._pack(block, 0, *pointers)
         return bytes(block)
 
+    def tma_bytes(self, pointers) -> bytes:
+        """The TmaParams a call with these pointers launches with: the bias's map where the plan loads the
+        bias by TMA, else zeros."""
+        if self._bias_map is None:
+            return bytes(TMA_PARAMS_BYTES)
+        shape, strides, itemsize = self._bias_map
+        encoded = tma.bias_map(shape, strides, itemsize, pointers[_BIAS_POINTER])
+        if encoded is None:  # a cached call's bias off the 16-byte alignment its plan's first call had
+            raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
+        return encoded.tobytes()
+
     def _thread_buffer(self):
         ident = threading.get_ident()
         entry = self._buffers.get(ident)
         if entry is None:
             block = ctypes.create_string_buffer(self.params, len(self.params))
-            argv = (ctypes.c_void_p * 1)(ctypes.addressof(block))
-            entry = self._buffers[ident] = (block, ctypes.addressof(argv), argv)
+            maps = ctypes.create_string_buffer(TMA_PARAMS_BYTES + 64)
+            maps_address = -(-ctypes.addressof(maps) // 64) * 64
+            argv = (ctypes.c_void_p * 2)(ctypes.addressof(block), maps_address)
+            entry = self._buffers[ident] = (block, ctypes.addressof(argv), (argv, maps), maps_address)
         return entry
 
     def launch(self, pointers, stream_ptr: int) -> None:
-        """Write ``pointers`` into the parameter block and launch every kernel on ``stream_ptr``."""
-        block, argv_address, _ = self._thread_buffer()
+        """Write ``pointers`` into the parameter block (and the bias's tensor map into the TmaParams, where the
+        plan loads it by TMA) and launch every kernel on ``stream_ptr``."""
+        block, argv_address, _, maps_address = self._thread_buffer()
         self._pack(block, 0, *pointers)
+        if self._bias_map is not None:
+            ctypes.memmove(maps_address, self.tma_bytes(pointers), TMA_PARAMS_BYTES)
         for function, gx, gy, gz, threads, smem in self.launches:
             launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
 

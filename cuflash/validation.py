@@ -10,6 +10,7 @@ import math
 import numbers
 
 from .arrays import SUPPORTED_DTYPES, TensorDesc
+from . import tma
 from .kernels import MAX_HEAD_DIM, MOD_BIAS, MOD_BIAS_SOFTCAP, MOD_NONE, MOD_SOFTCAP_ALIBI, ProblemShape
 
 #: Vectorized loads move 16 bytes: base pointers and row/head/batch strides must keep that alignment.
@@ -74,6 +75,14 @@ class ScoreOptions:
         (stored directly, deterministic); otherwise dbias is summed over the broadcast dims (fp32 atomics)."""
         return tuple(self.bias.shape) == (shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)
 
+    def bias_layout(self):
+        """``(shape, element strides (0 along broadcast dims), itemsize)`` of the bias, or None: what a cached
+        call re-encodes the bias's tensor map from (launch.CallPlan)."""
+        if self.bias is None:
+            return None
+        t = self.bias
+        return tuple(t.shape), tuple(st if n > 1 else 0 for n, st in zip(t.shape, t.strides)), t.itemsize
+
     def params(self, causal: bool) -> dict:
         """The ``AttnParams`` fields these options set (window sides folded with ``causal``); none without
         options, so a plain call's parameter block is the one the cached path packs."""
@@ -96,6 +105,10 @@ class ScoreOptions:
                           bias_row_stride=strides[2], bias_col_stride=1 if strides[3] else 0,
                           bias_head_div=max(1, self.num_heads // t.shape[1]) if t.shape[1] > 1 else 1,
                           bias_staged=int(staged))
+            # TMA where it can read the bias (cuflash/tma.py; the launch passes the map, launch.CallPlan): the
+            # warp-specialized sm_90a kernels then load its staged tiles by TMA; every other kernel ignores the flag.
+            if staged and not self.packed and tma.bias_map(t.shape, strides, t.itemsize, t.ptr) is not None:
+                values["bias_tma"] = 1
         if self.mask is not None:
             t = self.mask
             strides = [st if n > 1 else 0 for n, st in zip(t.shape, t.strides)]

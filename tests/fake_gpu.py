@@ -85,7 +85,11 @@ class FakeGPU:
         if self.record:
             params_address = ctypes.c_void_p.from_address(argv_address).value
             block = ctypes.string_at(params_address, params_dtype().itemsize)
-            self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, block))
+            # The second parameter, the kernels' TmaParams (launch.TMA_PARAMS_BYTES, 64-byte aligned).
+            maps_address = ctypes.c_void_p.from_address(argv_address + ctypes.sizeof(ctypes.c_void_p)).value
+            assert maps_address % 64 == 0, "TmaParams must be 64-byte aligned"
+            maps = ctypes.string_at(maps_address, launch.TMA_PARAMS_BYTES)
+            self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, block, maps))
 
     def get_kernel(self, variant, device_id, compute_capability, launch_smem_bytes=0):
         return FakeKernel(variant)

@@ -300,6 +300,54 @@ def test_calls_with_a_bool_mask_or_a_bias_are_cached(gpu, checks, entry):
             api._score_options_key(dict(opts2, bias=gpu.array((1, 4, 33, 47), BF16)), bias_ok=False)
 
 
+def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
+    """Where the driver encodes the bias's tensor map (tma.bias_map), the params set bias_tma and every launch's
+    second parameter holds the map of that call's bias: a cache hit with another bias buffer (same key) gets
+    that buffer's map, not the first call's. A stand-in encoder records what it was asked."""
+    from cuflash import tma
+
+    asked = []
+
+    def fake_encode(ptr, dims, byte_strides):
+        asked.append((ptr, dims, byte_strides))
+        return ptr.to_bytes(8, "little") + bytes(120)
+
+    monkeypatch.setattr(tma, "_encode", fake_encode)
+    q, k, v = qkv(gpu, sq=64, sk=80)
+    bias1 = gpu.array((2, 4, 64, 80), BF16)
+    cuflash.attention_forward(q, k, v, bias=bias1)
+    first = list(gpu.launches)
+    assert asked[-1] == (bias1.data.ptr, (80, 64, 4, 2), (160, 64 * 160, 4 * 64 * 160))
+    assert all(pointers_of(l[5])["bias"] == bias1.data.ptr for l in first)
+    assert all(l[6][:8] == bias1.data.ptr.to_bytes(8, "little") for l in first)
+    bias2 = gpu.array((2, 4, 64, 80), BF16)
+    cuflash.attention_forward(q, k, v, bias=bias2)
+    second = gpu.launches[len(first):]
+    assert second and all(l[6][:8] == bias2.data.ptr.to_bytes(8, "little") for l in second)
+    # The flag in the parameter block; without a map (a key-broadcast bias) neither is set.
+    flag = launch.params_dtype().fields["bias_tma"][1]
+    assert all(int.from_bytes(l[5][flag:flag + 4], "little") == 1 for l in second)
+    gpu.launches.clear()
+    cuflash.attention_forward(q, k, v, bias=gpu.array((2, 4, 64, 1), BF16))
+    assert gpu.launches and all(int.from_bytes(l[5][flag:flag + 4], "little") == 0 for l in gpu.launches)
+    assert all(l[6] == bytes(launch.TMA_PARAMS_BYTES) for l in gpu.launches)
+
+
+def test_bias_map_layout_takes_only_what_tma_can_read():
+    """cuflash.tma.bias_map_layout: the 4-d view (keys innermost) and its byte strides, or None."""
+    from cuflash.tma import bias_map_layout
+
+    assert bias_map_layout((2, 4, 64, 80), (4 * 64 * 80, 64 * 80, 80, 1), 2, 256) == (
+        (80, 64, 4, 2), (160, 64 * 160, 4 * 64 * 160))
+    # Broadcast batch and head: size-1 dims, dense strides.
+    assert bias_map_layout((1, 1, 64, 80), (0, 0, 80, 1), 2, 256) == ((80, 64, 1, 1), (160, 64 * 160, 64 * 160))
+    assert bias_map_layout((2, 4, 64, 80), (4 * 64 * 80, 64 * 80, 80, 1), 4, 256) is None  # fp32
+    assert bias_map_layout((2, 4, 1, 80), (4 * 80, 80, 0, 1), 2, 256) is None  # broadcast over queries
+    assert bias_map_layout((2, 4, 64, 1), (4 * 64, 64, 1, 0), 2, 256) is None  # broadcast over keys
+    assert bias_map_layout((2, 4, 64, 80), (4 * 64 * 80, 64 * 80, 80, 1), 2, 258) is None  # base off 16 bytes
+    assert bias_map_layout((2, 4, 64, 84), (4 * 64 * 84, 64 * 84, 84, 1), 2, 256) is None  # rows of 168 bytes
+
+
 class _NoContext(Exception):
     """Stands in for CuPy's CUDADriverError where the thread has no current context."""
 

@@ -166,7 +166,7 @@ def test_paged_call_addresses_pages(gpu):
     k_new, v_new = gpu.array((B, 1, Hkv, D), BF16), gpu.array((B, 1, Hkv, D), BF16)
     cuflash.attention_with_kvcache(q, k, v, lengths, k_new, v_new, block_table=table, causal=True, num_splits=1)
     assert len(gpu.launches) == 2  # append, attention
-    (_, append_grid, _, _, _, _), (_, grid, block, smem, _, params) = gpu.launches
+    (_, append_grid, _, _, _, _, _), (_, grid, block, smem, _, params, _) = gpu.launches
     r = record(params)
     assert grid == (1, Hkv, B) and block == (128, 1, 1)
     assert r["k_batch_stride"] == 16 * Hkv * D and r["k_row_stride"] == Hkv * D and r["k_head_stride"] == D

@@ -22,6 +22,7 @@
 #include "cuflash/mma_sm80.cuh"
 #include "cuflash/params.cuh"
 #include "cuflash/tile.cuh"
+#include "cuflash/tma_sm90.cuh"
 
 namespace cuflash {
 
@@ -48,6 +49,11 @@ struct BiasTile {
     static constexpr int kBytes = kRows * kPitch;
     static constexpr int kChunks = kCols * int(sizeof(Elem)) / 16;  // 16-byte chunks per row
     static_assert(kCols * sizeof(Elem) % 16 == 0, "bias tile rows are whole 16-byte chunks");
+    static constexpr bool kPanels = false;
+
+    static __device__ __forceinline__ BiasTileRef ref(unsigned smem, int row0, int col0) {
+        return BiasTileRef{smem, row0, col0, kPitch};
+    }
 
     // The bias of (b, h): rows [row0, row0 + kRows) x keys [col0, col0 + kCols), zero-filled past Sq / Sk.
     // One cp.async per chunk (uniform per thread); the caller commits the group. Only when params.bias_staged.
@@ -80,9 +86,30 @@ struct BiasPanelTile {
     using Tile = PanelTile<kRows, kCols>;
     static constexpr int kBytes = Tile::kBytes;
     static_assert(sizeof(Elem) == 2 && Tile::kGroup == 8 && Tile::kPanelCols == 64, "16-bit wide panels");
+    static constexpr bool kPanels = true;
 
     static __device__ __forceinline__ BiasPanelRef<Tile::kPanelBytes> ref(unsigned smem, int row0, int col0) {
         return BiasPanelRef<Tile::kPanelBytes>{smem, row0, col0};
+    }
+
+    // The same tile by TMA from the bias's map (when params.bias_tma), issued by one thread: a 64 x 64 box
+    // per 64 rows of each panel, whose 128-byte swizzle is this layout's (the tile 1024-byte aligned). Adds
+    // the tile's bytes to the current phase of mbarrier `bar` first; zeros past Sq / Sk count as well.
+    // A broadcast batch or head (stride 0) is the map's size-1 dim: coordinate 0.
+    static __device__ __forceinline__ void load_tma(unsigned smem, const AttnParams& p, const TmaDescriptor* map,
+                                                    int b, int h, int row0, int col0, unsigned bar) {
+        static_assert(kRows % 64 == 0, "whole 64-row boxes");
+        const int head = p.bias_head_stride != 0 ? h / p.bias_head_div : 0;
+        const int batch = p.bias_batch_stride != 0 ? b : 0;
+        sm90::mbarrier_expect_tx(bar, kBytes);
+#pragma unroll
+        for (int panel = 0; panel < Tile::kPanels; ++panel) {
+#pragma unroll
+            for (int rows = 0; rows < kRows; rows += 64) {
+                sm90::tma_load_4d(smem + panel * Tile::kPanelBytes + rows * Tile::kRowBytes, map, bar,
+                                  col0 + 64 * panel, row0 + rows, head, batch);
+            }
+        }
     }
 
     // As BiasTile::copy (zero-filled past Sq / Sk to the element), each thread keeping one 16-byte chunk
@@ -179,6 +206,20 @@ struct BiasView<Elem, true> {
             }
         }
         return make_float2(at(row, col, BiasTileRef::none()), at(row, col + 1, BiasTileRef::none()));
+    }
+
+    // The bias of n-tiles 2j, 2j + 1 of a warp's m16 tile of the C fragment (rows row0 .. +16, keys col0 + 16j ..
+    // +16: for_each_score_pair's lane coordinates) from a staged BiasPanelTile (the warp-specialized forward's),
+    // by one ldmatrix: pairs[2 * sub + half] holds (row g + 8 * half, keys 2t, 2t + 1) of n-tile 2j + sub. Each
+    // 8-lane phase reads one chunk column of 8 rows, which the swizzle spreads over all banks.
+    template <int kPanelBytes>
+    __device__ __forceinline__ void row_pairs(unsigned (&pairs)[4], const BiasPanelRef<kPanelBytes>& tile, int row0,
+                                              int col0, int j) const {
+        static_assert(sizeof(Elem) == 2, "ldmatrix moves 16-bit elements");
+        const int lane = threadIdx.x % 32;
+        const int row = row0 - tile.row0 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        const int chunk = ((col0 - tile.col0) >> 3) + 2 * j + (lane >> 4);
+        sm80::ldmatrix_x4(pairs, tile.smem + (chunk >> 3) * kPanelBytes + row * 128 + (((chunk ^ row) & 7) << 4));
     }
 
     // dbias[b, h, row, col] (+)= ds for row < Sq, col < Sk (the parameters are read here, where used).

@@ -20,7 +20,8 @@
 // step i - 1 (the last reader of that tile) has completed.
 //
 // A bias (no softcap) on the atomic path: the producer also copies the step's bias tile into the step's dS
-// tile (Cfg::kBiasInDs; the tile is free once both warpgroups released the stage two steps back), laid out
+// tile (Cfg::kBiasInDs; by TMA when params.bias_tma, producer thread 0 adding its bytes to the stage's
+// q_full before its own arrival there; the tile is free once both warpgroups released the stage two steps back), laid out
 // [query][key] like the bias in global memory. The consumers read it while computing P^T, then write dS over
 // it in the same layout (stmatrix .trans), each warp over exactly the (key, query) elements it read; the dQ
 // step reads dS K-major, and after it each warpgroup copies its keys' dS rows into dbias (16-byte chunks).
@@ -187,8 +188,9 @@ struct DkdvMainloopSm90Ws {
     // the early wait for the add's read delays the loads instead (D128 S4k 2593 -> 2642 us, causal 1411 ->
     // 1463), so those keep the late release.
     static constexpr bool kEarlyDqRelease = Cfg::kBiasInDs;
-    static __device__ __forceinline__ void produce(const AttnParams& params, int b, int h0, int heads, int n_block,
-                                                   const typename Cfg::Blocks& blocks, unsigned smem) {
+    static __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, int b, int h0,
+                                                   int heads, int n_block, const typename Cfg::Blocks& blocks,
+                                                   unsigned smem) {
         const int tid = threadIdx.x;
         const int num_m_blocks = blocks.count();
         const int num_steps = heads * num_m_blocks;
@@ -218,7 +220,12 @@ struct DkdvMainloopSm90Ws {
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
                                 blocks.block(c.index()), s, opaque(tid), key0);
             if constexpr (Cfg::kBiasInDs) {  // into the step's dS tile, free since step - 2 released stage s
-                if (params.bias_staged) {
+                if (params.bias_tma) {  // by TMA, thread 0 alone, its bytes counted on the stage's full barrier
+                    if (tid == 0) {
+                        Cfg::BiasPanel::load_tma(ds_tile(smem, step), params, &tma.bias, b, c.h,
+                                                 blocks.block(c.index()) * Cfg::kBlockM, key0, q_full(smem, s));
+                    }
+                } else if (params.bias_staged) {
                     Cfg::BiasPanel::template copy<kProducerThreads>(ds_tile(smem, step), params, opaque(b), opaque(c.h),
                                                                     blocks.block(c.index()) * Cfg::kBlockM, key0,
                                                                     opaque(tid));

@@ -86,11 +86,18 @@ struct FwdConfig {
 // is read (modify_and_mask) between K_j's wait and the barrier before K_{j+kSlots} reuses the slot.
 // kLoadThreads: the threads that share the copies (threads 0 .. kLoadThreads - 1): the whole CTA, or a
 // warp-specialized kernel's producer warpgroup.
-template <typename Cfg, typename Tile_, int kSlots, int kLoadThreads = Cfg::kThreads>
+// BiasT: the staged bias tile's layout (bias.cuh): BiasTile (padded rows), or BiasPanelTile (the wide-panel
+// swizzle, which TMA writes: the warp-specialized forward's, whose producer loads it by TMA when
+// params.bias_tma; load_k then leaves it out and the caller issues it, load_bias_tma).
+template <typename Cfg, typename Tile_, int kSlots, int kLoadThreads = Cfg::kThreads,
+          typename BiasT = typename Cfg::BiasTileT>
 struct FwdLoads {
     using Elem = typename Cfg::Elem;
     using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
     using KVTile = Tile_;
+    using BiasTileT = BiasT;
+    static constexpr bool kPanelBias = BiasT::kPanels;
+    static constexpr int kBiasSlotBytes = Cfg::kBias ? BiasT::kBytes : 0;
     const AttnParams& params;
     const typename Cfg::Blocks blocks;  // a copy: two or three ints
     const Elem* k_src;
@@ -99,7 +106,7 @@ struct FwdLoads {
     int b, h, row_begin;  // for the bias tiles
     int seqlen_k;         // this sequence's keys
 
-    static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes + kSlots * Cfg::kBiasSlotBytes;
+    static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes + kSlots * kBiasSlotBytes;
 
     __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks_,
                                         unsigned smem_q, int row_begin_)
@@ -109,15 +116,25 @@ struct FwdLoads {
 
     // Slot j % kSlots of the staged bias tiles (after the V slots).
     __device__ __forceinline__ unsigned bias_slot(int j) const {
-        return smem_v + kSlots * KVTile::kBytes + unsigned(j % kSlots) * Cfg::kBiasSlotBytes;
+        return smem_v + kSlots * KVTile::kBytes + unsigned(j % kSlots) * kBiasSlotBytes;
     }
     // Step j's staged bias tile, or none (not staged: the modifier reads the bias directly). ring_j: the
     // step's position in a ring that runs across tiles (the persistent mainloop), j otherwise.
     __device__ __forceinline__ BiasTileRef bias_tile(int ring_j, int n) const {
-        if (Cfg::kBias && params.bias_staged) {
-            return BiasTileRef{bias_slot(ring_j), row_begin, n * Cfg::kBlockN, Cfg::BiasTileT::kPitch};
-        }
+        static_assert(!kPanelBias, "a panel tile has no 'none': bias_panel, under params.bias_staged");
+        if (Cfg::kBias && params.bias_staged) return BiasT::ref(bias_slot(ring_j), row_begin, n * Cfg::kBlockN);
         return BiasTileRef::none();
+    }
+    // The staged panel tile of step j (kPanelBias; only when params.bias_staged).
+    __device__ __forceinline__ auto bias_panel(int ring_j, int n) const {
+        return BiasT::ref(bias_slot(ring_j), row_begin, n * Cfg::kBlockN);
+    }
+    // Step j's bias tile by TMA from `map` (kPanelBias, params.bias_tma), issued by the calling thread alone,
+    // its bytes counted on `full` (the step's K barrier).
+    __device__ __forceinline__ void load_bias_tma(const TmaDescriptor* map, int j, int ring_j, unsigned full) const {
+        if constexpr (Cfg::kBias && kPanelBias) {
+            BiasT::load_tma(bias_slot(ring_j), params, map, b, h, row_begin, blocks.block(j) * Cfg::kBlockN, full);
+        }
     }
 
     __device__ __forceinline__ void load_q(unsigned smem_q, const SeqInfo& seq, int row_begin) const {
@@ -127,9 +144,9 @@ struct FwdLoads {
     // Step j's K (and bias) / V tiles into slot ring_j % kSlots (ring_j = j but in the persistent mainloop).
     __device__ __forceinline__ void load_k(int j, int ring_j) const {
         if constexpr (Cfg::kBias) {
-            if (j < blocks.count() && params.bias_staged) {
-                Cfg::BiasTileT::template copy<kLoadThreads>(bias_slot(ring_j), params, b, h, row_begin,
-                                                             blocks.block(j) * Cfg::kBlockN, threadIdx.x);
+            if (j < blocks.count() && params.bias_staged && !(kPanelBias && params.bias_tma)) {
+                BiasT::template copy<kLoadThreads>(bias_slot(ring_j), params, b, h, row_begin,
+                                                   blocks.block(j) * Cfg::kBlockN, threadIdx.x);
             }
         }
         load_step(j, ring_j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
@@ -182,7 +199,13 @@ struct FwdWork {
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n,
                                                     int ring_j) const {
         const int warp_row_begin = row_begin + warp_row0;
-        if constexpr (Cfg::kBias) {
+        if constexpr (Cfg::kBias && Loads::kPanelBias) {  // staged in panels, or read directly: two loops
+            if (loads.params.bias_staged) {
+                mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_panel(ring_j, n));
+            } else {
+                mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, BiasTileRef::none());
+            }
+        } else if constexpr (Cfg::kBias) {
             if (!(kSplitBiasReads && Cfg::kBiasAlone) || loads.params.bias_staged) {
                 mod.apply(acc_s, warp_row_begin, n * Cfg::kBlockN, loads.bias_tile(ring_j, n));
             } else {

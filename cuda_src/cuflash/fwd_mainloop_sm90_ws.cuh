@@ -34,6 +34,7 @@
 
 #include "cuflash/fwd_mainloop_sm90.cuh"
 #include "cuflash/pipeline_sm90.cuh"
+#include "cuflash/tma_sm90.cuh"
 
 namespace cuflash {
 
@@ -155,9 +156,15 @@ struct FwdUnitWalk {
     }
 };
 
+// The staged bias of the warp-specialized forward: the wide-panel swizzle (BiasPanelTile), which TMA writes.
+template <typename Cfg>
+using FwdWsBiasTile = conditional_t<Cfg::kBias, BiasPanelTile<typename Cfg::Elem, Cfg::kBlockM, Cfg::kBlockN>,
+                                    typename Cfg::BiasTileT>;
+
 template <typename Cfg>
 struct FwdMainloopSm90Ws
-    : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, Cfg::kStages, 128>> {
+    : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>, Cfg::kStages, 128,
+                            FwdWsBiasTile<Cfg>>> {
     static constexpr bool kWarpSpecialized = true;
     static constexpr int kProducerThreads = 128;
     static constexpr int kConsumerThreads = Cfg::kThreads;  // two or three warpgroups of 16-row warps
@@ -193,7 +200,7 @@ struct FwdMainloopSm90Ws
 
     using Elem = typename Cfg::Elem;
     using Tile = SwizzledTile<Cfg::kBlockN, Cfg::kHeadDim, sm90::kPanelCols>;
-    using Loads = FwdLoads<Cfg, Tile, Cfg::kStages, kProducerThreads>;
+    using Loads = FwdLoads<Cfg, Tile, Cfg::kStages, kProducerThreads, FwdWsBiasTile<Cfg>>;
     using QTile = typename Loads::QTile;
     static constexpr int kStages = Cfg::kStages;
     static constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
@@ -305,15 +312,26 @@ struct FwdMainloopSm90Ws
         }
     }
 
-    // One tile's loads.
-    __device__ __forceinline__ void produce(const AttnParams& params, const SeqInfo& seq, FwdWsRing& ring) const {
+    // Step j's K (ring step r): with a bias loaded by TMA (params.bias_tma), producer thread 0 first adds the
+    // bias tile's bytes to k_full(r) and asks for it (the other threads' copies leave it out, FwdLoads::load_k);
+    // the phase then completes once every producer thread arrived and the tile landed.
+    __device__ __forceinline__ void load_k(const AttnParams& params, const TmaParams& tma, int j, int r) const {
+        if constexpr (Cfg::kBias) {
+            if (params.bias_tma && threadIdx.x == 0) this->loads.load_bias_tma(&tma.bias, j, r, k_full(r));
+        }
+        this->loads.load_k(j, r);
+    }
+
+    // One tile's loads (tma: the kernel's __grid_constant__ maps).
+    __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, const SeqInfo& seq,
+                                            FwdWsRing& ring) const {
         const int n = this->blocks.count(), r0 = ring.steps;
         flush(ring);
         if (ring.tiles > 0) sm90::mbarrier_wait(q_empty(), (ring.tiles - 1) & 1);  // the last tile's Q is free
         this->loads.load_q(this->smem_q, seq, this->row_begin);
         sm80::cp_async_commit();
         if (r0 >= kStages) sm90::mbarrier_wait(k_empty(r0), parity(r0) ^ 1);
-        this->loads.load_k(0, r0);
+        load_k(params, tma, 0, r0);
         // Q: its group is the one before K_0's. A negative scale flips its sign first (every producer thread's
         // copies of Q landed: each waits for its own, then the warpgroup meets).
         sm80::cp_async_wait<1>();
@@ -330,7 +348,7 @@ struct FwdMainloopSm90Ws
             const int r = r0 + j;
             if (j < n) {
                 if (r >= kStages) sm90::mbarrier_wait(k_empty(r), parity(r) ^ 1);  // S of ring step r - kStages done
-                this->loads.load_k(j, r);
+                load_k(params, tma, j, r);
                 publish_previous(ring, k_full(r));
             }
             if (r - 1 >= kStages) sm90::mbarrier_wait(v_empty(r - 1), parity(r - 1) ^ 1);  // its P.V done

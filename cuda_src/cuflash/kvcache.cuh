@@ -144,6 +144,7 @@ struct KvLoads {
     using Elem = typename Cfg::Elem;
     using QTile = SwizzledTile<Cfg::kBlockM, Cfg::kHeadDim, Tile_::kPanelCols>;
     using KVTile = Tile_;
+    static constexpr bool kPanelBias = false;  // no bias on the KV cache
     static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes;
     const AttnParams& params;
     const typename Cfg::Blocks blocks;

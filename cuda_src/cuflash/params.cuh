@@ -18,6 +18,7 @@
 
 namespace cuflash {
 
+
 struct AttnParams {
     // Forward operands.
     const void* q;
@@ -134,7 +135,8 @@ struct AttnParams {
     // dq_accum (0: unordered) and counters per (batch, query head).
     long long dq_order_offset;
     int dq_order_blocks;
-    int dq_order_unused;  // keeps the struct a multiple of 8 bytes
+    int bias_tma;  // 1: the launch's TmaParams hold the bias's tensor map (the warp-specialized sm_90a kernels
+                   // then load its staged tiles by TMA: cuflash/tma_sm90.cuh)
 };
 
 // The warp-specialized forward's tile counter under the general mask: the int after the query-block lists

@@ -126,12 +126,12 @@ struct GeneralScoreMod {
         return s;
     }
 
-    template <int kMTiles, int kNTiles>
-    // tile: this step's staged bias (BiasTileRef; none = read it directly). The bias variants run one of
-    // four loops, picked by a uniform branch on the terms this head has (explicit template calls: the GPU
-    // machine's NVRTC refused generic lambdas).
+    template <int kMTiles, int kNTiles, typename Ref = BiasTileRef>
+    // tile: this step's staged bias (BiasTileRef, none = read it directly; or a BiasPanelRef). The bias variants
+    // run one of four loops, picked by a uniform branch on the terms this head has (explicit template calls:
+    // the GPU machine's NVRTC refused generic lambdas).
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4], int row0,
-                                          int col0, const BiasTileRef& tile = BiasTileRef{}) const {
+                                          int col0, const Ref& tile = Ref{}) const {
         if constexpr (!kBias) {  // softcap / ALiBi: one loop (four copies spilled on the tight tiles, sm_80 D96)
             for_each_score(acc, row0, col0, [&](float& x, int row, int col, int mt, int nt, int e) {
                 x = one(x, row, col, aux[mt][nt][e], 0.f);
@@ -146,18 +146,48 @@ struct GeneralScoreMod {
             else apply_terms<false, false>(acc, aux, row0, col0, tile);
         }
     }
-    template <bool kCap, bool kAlibi, int kMTiles, int kNTiles>
+    template <bool kCap, bool kAlibi, int kMTiles, int kNTiles, typename Ref>
     __device__ __forceinline__ void apply_terms(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4],
-                                                int row0, int col0, const BiasTileRef& tile) const {
+                                                int row0, int col0, const Ref& tile) const {
         for_each_score_pair(acc, row0, col0, [&](float& x0, float& x1, int row, int col, int mt, int nt, int half) {
             const float2 bv = kBias ? bias.pair_at(row, col, tile) : make_float2(0.f, 0.f);
             x0 = one_of<kCap, kAlibi>(x0, row, col, aux[mt][nt][2 * half], bv.x);
             x1 = one_of<kCap, kAlibi>(x1, row, col + 1, aux[mt][nt][2 * half + 1], bv.y);
         });
     }
-    template <int kMTiles, int kNTiles>
+    // A BiasPanelTile (the warp-specialized forward's): four pairs per ldmatrix (BiasView::row_pairs).
+    template <bool kCap, bool kAlibi, int kMTiles, int kNTiles, int kPanelBytes>
+    __device__ __forceinline__ void apply_terms(float (&acc)[kMTiles][kNTiles][4], float (&aux)[kMTiles][kNTiles][4],
+                                                int row0, int col0, const BiasPanelRef<kPanelBytes>& tile) const {
+        static_assert(kNTiles % 2 == 0, "n-tiles in pairs");
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int j = 0; j < kNTiles / 2; ++j) {
+                unsigned pairs[4];
+                bias.row_pairs(pairs, tile, row0 + mt * 16, col0, j);
+#pragma unroll
+                for (int sub = 0; sub < 2; ++sub) {
+                    const int nt = 2 * j + sub;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int row = row0 + mt * 16 + lane / 4 + half * 8, col = col0 + nt * 8 + (lane % 4) * 2;
+                        const unsigned bits = pairs[2 * sub + half];
+                        acc[mt][nt][2 * half] = one_of<kCap, kAlibi>(acc[mt][nt][2 * half], row, col,
+                                                                     aux[mt][nt][2 * half],
+                                                                     BiasView<Elem, kBias>::pair_half(bits, 0));
+                        acc[mt][nt][2 * half + 1] = one_of<kCap, kAlibi>(acc[mt][nt][2 * half + 1], row, col + 1,
+                                                                         aux[mt][nt][2 * half + 1],
+                                                                         BiasView<Elem, kBias>::pair_half(bits, 1));
+                    }
+                }
+            }
+        }
+    }
+    template <int kMTiles, int kNTiles, typename Ref = BiasTileRef>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
-                                          const BiasTileRef& tile = BiasTileRef{}) const {
+                                          const Ref& tile = Ref{}) const {
         float unused[kMTiles][kNTiles][4];
         apply(acc, unused, row0, col0, tile);
     }

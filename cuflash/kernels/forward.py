@@ -122,6 +122,13 @@ for _key, _bytes in {(90, 128, 0, 2): 8, (90, 128, 0, 3): 8, (90, 128, 1, 3): 48
 for _key, _bytes in {(90, 128, 0, 2): 52, (90, 128, 1, 2): 16, (90, 64, 0, 2): 48, (90, 64, 1, 2): 40,
                      (90, 64, 2, 2): 32}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 21: the warp-specialized forward stages its bias in wide panels (read by ldmatrix, loaded by TMA where
+# params.bias_tma): the bias variants' spills, the larger of NVRTC 13.5 and nvcc 13.0, all at the kernel's start,
+# in the producer or in the consumers' first step of a tile (the softcap loops), none in the key loop.
+for _key, _bytes in {(90, 64, 0, 3): 48, (90, 64, 1, 2): 48, (90, 64, 1, 3): 52, (90, 64, 2, 2): 40,
+                     (90, 64, 2, 3): 56, (90, 128, 0, 2): 68, (90, 128, 0, 3): 124, (90, 128, 1, 3): 56,
+                     (90, 128, 2, 2): 40, (90, 128, 2, 3): 64}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
@@ -144,14 +151,15 @@ def smem_bytes(head_dim_bucket: int, block_m: int, block_n: int, stages: int, bi
                mainloop: int = MAINLOOP_SM80, queue: bool = False) -> int:
     """Dynamic shared memory of one CTA: Q (block_m rows), then ``stages`` K and ``stages`` V tiles
     (block_n rows each), kHeadDim 2-byte columns each, then with a bias ``stages`` staged bias tiles
-    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh). The warp-specialized
-    mainloop adds, where it fits the block's 227 KB, a tile like Q's for staging O, and its mbarriers (Q's
+    (block_m rows of block_n 2-byte keys plus a 16-byte pad: cuflash/bias.cuh; the warp-specialized
+    mainloop's are wide panels, no pad, which TMA can write). The warp-specialized mainloop adds, where it fits the block's 227 KB, a tile like Q's for staging O, and its mbarriers (Q's
     full and empty ones, a full and an empty one per K / V slot, 8 bytes each; under the general mask
     (``queue``) the tile queue's two more and its int slot, 8 bytes; rounded up to 16). Mirrors
     ``kSmemBytes`` in the kernel, for both panel layouts (the wgmma one adds no padding: every tile is a
     multiple of 1024 bytes); each compile checks it (``CUFLASH_EXPECTED_SMEM_BYTES`` against
     ``CUFLASH_CHECK_SMEM_BYTES``)."""
-    bias_bytes = stages * block_m * (block_n * ELEM_BYTES + 16) if bias else 0
+    pad = 0 if mainloop == MAINLOOP_SM90_WS else 16
+    bias_bytes = stages * block_m * (block_n * ELEM_BYTES + pad) if bias else 0
     q_bytes = ELEM_BYTES * head_dim_bucket * block_m
     loads = q_bytes + 2 * stages * block_n * ELEM_BYTES * head_dim_bucket + bias_bytes
     if mainloop != MAINLOOP_SM90_WS:
@@ -299,14 +307,14 @@ def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE
     if head_dim_bucket == 64 and bias:
         # The producer copies a bias tile per step too: 128 keys (16 copies of 16 bytes per producer thread and
         # step) spilled 244-404 bytes there even at 72 registers, 64 keys none. Q 16 KB + 3 x (K + V) 48 KB +
-        # 3 bias tiles 54 KB + O 16 KB = 134 KB.
+        # 3 bias tiles 48 KB + O 16 KB = 128 KB.
         return 128, 64, 8, 3
     if head_dim_bucket == 64:
         # acc 32 + S 64 + P 32: 128 keys. Q 16 KB + 3 x (K + V) 96 KB = 112 KB.
         return 128, 128, 8, 3
     if head_dim_bucket == 128 and bias:
         # The bias on 64 keys, as the 8-warp wgmma mainloop (its pairs, hoisted ahead of the softmax, spilled
-        # there with 128). Q 32 KB + BIAS_WS_STAGES x (K + V 32 KB + bias 18 KB) + O 32 KB.
+        # there with 128). Q 32 KB + BIAS_WS_STAGES x (K + V 32 KB + bias 16 KB) + O 32 KB.
         return 128, 64, 8, BIAS_WS_STAGES
     if head_dim_bucket == 128:
         # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).

@@ -1,0 +1,95 @@
+"""Tensor maps for the TMA loads of the sm_90a kernels (``cuda_src/cuflash/tma_sm90.cuh``).
+
+A tensor map (the driver's ``CUtensorMap``, 128 opaque bytes) describes a strided tensor in global memory
+and the box a TMA load copies from it into shared memory. The driver encodes it on the host
+(``cuTensorMapEncodeTiled``, a pure host function of the driver library that every CUDA process has
+loaded: called here through ctypes, so no binding package is needed); it travels in ``AttnParams``
+(``bias_map``), which the kernels that read it take as a ``__grid_constant__`` parameter.
+
+Only the bias is loaded this way so far: its (rows x keys) tiles, which the warp-specialized forward and
+dK/dV kernels stage in the 128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+
+# cuda.h enums (CUDA 12.0 and later).
+_DATA_TYPE_UINT16 = 1         # CU_TENSOR_MAP_DATA_TYPE_UINT16: a plain 16-bit copy, fp16 and bf16 alike
+_INTERLEAVE_NONE = 0          # CU_TENSOR_MAP_INTERLEAVE_NONE
+_SWIZZLE_128B = 3             # CU_TENSOR_MAP_SWIZZLE_128B: the wgmma / wide-panel layout
+_L2_PROMOTION_256B = 3        # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_OOB_FILL_ZERO = 0            # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements land as zeros
+
+#: The box of every bias load: 64 keys (one 128-byte swizzled panel row) x 64 rows. A kernel's tile is a
+#: whole number of them (BiasPanelTile::load_tma).
+BIAS_BOX = (64, 64)
+#: The bias maps encoded lately, by (address, shape, strides): a training loop passes the same few buffers.
+_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder():
+    """``cuTensorMapEncodeTiled`` of the process's driver library, or None where it cannot be had (or
+    ``CUFLASH_TMA=0`` in the environment, read once: the kernels then copy with cp.async, for comparisons)."""
+    if os.environ.get("CUFLASH_TMA", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def bias_map_layout(shape, strides, itemsize: int, ptr: int):
+    """The bias ``(B|1, H|Hkv|1, Sq, Sk)`` (element strides, 0 along broadcast dims) as the 4-d tensor of the
+    map, innermost first: ``(dims, byte strides of dims 1-3)``; None where TMA cannot read it: not 16-bit,
+    broadcast over the queries or the keys (the map's rows would repeat), keys not contiguous, or a base or
+    stride off the 16 bytes TMA needs. A broadcast batch or head is a size-1 dim, which the kernels address at
+    0; its stride (unused) is the product of the ones inside it, as the driver expects of a dense tensor."""
+    b, h, sq, sk = (int(n) for n in shape)
+    sb, sh, sr, sc = (int(st) for st in strides)
+    if itemsize != 2 or sq < 2 or sk < 2 or sc != 1 or sr == 0 or ptr % 16:
+        return None
+    row_bytes = sr * itemsize
+    head_bytes = sh * itemsize if h > 1 else row_bytes * sq
+    batch_bytes = sb * itemsize if b > 1 else head_bytes * h
+    byte_strides = (row_bytes, -(-head_bytes // 16) * 16, -(-batch_bytes // 16) * 16)
+    if any(st % 16 or st <= 0 or st >= 1 << 40 for st in (row_bytes, head_bytes, batch_bytes)):
+        return None
+    return (sk, sq, h, b), byte_strides
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _encode(ptr: int, dims: tuple, byte_strides: tuple) -> bytes | None:
+    fn = _encoder()
+    if fn is None:
+        return None
+    out = ctypes.create_string_buffer(128 + 64)
+    address = -(-ctypes.addressof(out) // 64) * 64  # CUtensorMap is 64-byte aligned
+    status = fn(address, _DATA_TYPE_UINT16, 4, ptr, (ctypes.c_uint64 * 4)(*dims),
+                (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*BIAS_BOX, 1, 1),
+                (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B,
+                _OOB_FILL_ZERO)
+    if status != 0:
+        return None
+    return ctypes.string_at(address, 128)
+
+
+def bias_map(shape, strides, itemsize: int, ptr: int) -> np.ndarray | None:
+    """The bias's tensor map as 16 uint64 (``AttnParams.bias_map``), or None: TMA cannot read this bias
+    (:func:`bias_map_layout`) or the driver would not encode it. The kernels then copy its tiles with
+    cp.async as before."""
+    layout = bias_map_layout(shape, strides, itemsize, ptr)
+    if layout is None:
+        return None
+    encoded = _encode(int(ptr), *layout)
+    return None if encoded is None else np.frombuffer(encoded, dtype=np.uint64)

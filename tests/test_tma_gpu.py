@@ -1,0 +1,111 @@
+"""The bias loaded by TMA on sm_90a (cuflash/tma.py, cuda_src/cuflash/tma_sm90.cuh).
+
+Where the bias has 16-byte rows of contiguous keys (and is not broadcast over queries or keys), the
+warp-specialized forward and dK/dV kernels load its staged tiles by TMA from a tensor map the launch passes.
+These problems are the ones that take that path (keys a multiple of 8, 16-bit, head dims 64 / 128): odd query
+counts and key counts off the 64-key box edge (zeros past Sq / Sk), every broadcast form a map can describe,
+-inf and +-30 entries, with softcap / ALiBi and with the general mask, against float64. Then what the map adds:
+a strided bias view, a cached call with another bias buffer, and bit-identity with the cp.async copies.
+"""
+from __future__ import annotations
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+import gpu_utils as gu  # noqa: E402
+from gpu_utils import poisoned_allocations  # noqa: E402,F401  (autouse: CuPy allocations start as NaN)
+from gpu_utils import Problem  # noqa: E402
+
+from cuflash import api, tma  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _precompiled(request):
+    gu.announce_precompile(request.config)
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("TMA loads run on the sm_90a kernels")
+    assert tma._encoder() is not None, "the driver's cuTensorMapEncodeTiled could not be loaded"
+
+
+def _uses_tma(bias) -> bool:
+    strides = [st // bias.itemsize if n > 1 else 0 for n, st in zip(bias.shape, bias.strides)]
+    return tma.bias_map(bias.shape, strides, bias.itemsize, bias.data.ptr) is not None
+
+
+TMA_PROBLEMS = [
+    Problem("bf16", B=2, Sq=77, Sk=200, H=4, Hkv=2, D=128, bias="full"),
+    Problem("fp16", B=2, Sq=130, Sk=136, H=4, Hkv=2, D=64, bias="full", causal=True, deterministic=True),
+    Problem("bf16", B=2, Sq=65, Sk=264, H=6, Hkv=2, D=128, bias="heads", dlse=True),
+    Problem("fp16", B=1, Sq=200, Sk=96, H=6, Hkv=3, D=64, bias="kv", causal=True),
+    Problem("bf16", B=2, Sq=100, Sk=160, H=4, Hkv=4, D=128, bias="expanded", deterministic=True),
+    Problem("bf16", B=1, Sq=129, Sk=256, H=4, Hkv=1, D=128, bias="neginf", deterministic=True),
+    Problem("fp16", B=2, Sq=99, Sk=128, H=2, Hkv=1, D=64, bias="large", causal=True),
+    Problem("bf16", B=1, Sq=150, Sk=200, H=4, Hkv=2, D=128, bias="full", softcap=3.0, alibi="bh"),
+    Problem("bf16", B=2, Sq=140, Sk=176, H=4, Hkv=2, D=64, bias="full", window=(40, 6), segments="docs"),
+    Problem("fp16", B=1, Sq=300, Sk=512, H=4, Hkv=2, D=128, bias="heads", blocks="blocks"),
+    Problem("bf16", B=2, Sq=1000, Sk=1024, H=4, Hkv=2, D=128, bias="full", causal=True),
+]
+
+
+@pytest.mark.parametrize("p", TMA_PROBLEMS, ids=gu.problem_ids(TMA_PROBLEMS))
+def test_tma_bias_against_float64(p):
+    x = gu.make_inputs(p)
+    assert _uses_tma(x.bias), "this problem was meant to take the TMA path"
+    gu.check_attention(p, inputs=x)
+
+
+def test_strided_bias_view_reads_only_its_own_elements():
+    """A bias whose rows are a view into wider rows (NaN between them) loads by TMA with its row stride."""
+    p = Problem("bf16", B=2, Sq=90, Sk=136, H=4, Hkv=2, D=128, bias="full", dlse=True)
+    x = gu.make_inputs(p)
+    wide = gu.nan_fill(cupy.empty((p.B, p.H, p.Sq, p.Sk + 24), dtype=x.bias.dtype))
+    wide[..., :p.Sk] = x.bias
+    x.bias = wide[..., :p.Sk]
+    assert _uses_tma(x.bias)
+    gu.check_attention(p, inputs=x)
+
+
+def test_a_cached_forward_with_another_bias_loads_that_bias():
+    """The second call hits the plan cache with a different bias buffer: its output must be what a fresh,
+    validating call gives for that bias (the launch re-encodes the map), and not the first call's."""
+    p = Problem("bf16", B=2, Sq=200, Sk=256, H=4, Hkv=2, D=128, bias="full")
+    x = gu.make_inputs(p)
+    y = gu.make_inputs(p, seed=p.seed + 1)
+    api._forward_plans.clear()
+    out1, _ = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias)
+    out2, _ = cuflash.attention_forward(x.q, x.k, x.v, bias=y.bias)  # a hit
+    assert len(api._forward_plans) == 1
+    api._forward_plans.clear()
+    fresh, _ = cuflash.attention_forward(x.q, x.k, x.v, bias=y.bias)
+    assert gu.bit_identical(out2, fresh)
+    assert not gu.bit_identical(out1, out2)
+
+
+@pytest.mark.parametrize("p", [TMA_PROBLEMS[0], TMA_PROBLEMS[1], TMA_PROBLEMS[8]],
+                         ids=gu.problem_ids([TMA_PROBLEMS[0], TMA_PROBLEMS[1], TMA_PROBLEMS[8]]))
+def test_tma_and_cp_async_copies_give_identical_bits(p, monkeypatch):
+    """The same staged tiles either way: forward and backward outputs bit for bit."""
+    x = gu.make_inputs(p)
+    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
+
+    def run():
+        api._forward_plans.clear()
+        api._backward_plans.clear()
+        out, lse = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
+        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **kwargs)
+        return (out, lse, *grads)
+
+    with_tma = run()
+    monkeypatch.setattr(tma, "_encode", lambda *args: None)  # the driver "refuses": cp.async copies
+    assert not _uses_tma(x.bias)
+    without = run()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), with_tma, without, strict=True):
+        assert gu.bit_identical(a, b), f"{name} differs between the TMA and the cp.async bias loads"
