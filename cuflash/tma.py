@@ -53,12 +53,14 @@ def bias_map_layout(shape, strides, itemsize: int, ptr: int):
     """The bias ``(B|1, H|Hkv|1, Sq, Sk)`` (element strides, 0 along broadcast dims) as the 4-d tensor of the
     map, innermost first: ``(dims, byte strides of dims 1-3)``; None where TMA cannot read it: not 16-bit,
     broadcast over the queries or the keys (the map's rows would repeat), keys not contiguous, or a base or
-    stride off the 16 bytes TMA needs. A broadcast batch or head is a size-1 dim, which the kernels address at
-    0; its stride (unused) is the product of the ones inside it, as the driver expects of a dense tensor."""
+    stride off the 16 bytes TMA needs. A broadcast batch or head (size 1, or stride 0 as in ``broadcast_to``)
+    is a size-1 dim, which the kernels address at 0 (they test the stride); its stride (unused) is the product
+    of the ones inside it, as the driver expects of a dense tensor."""
     b, h, sq, sk = (int(n) for n in shape)
     sb, sh, sr, sc = (int(st) for st in strides)
     if itemsize != 2 or sq < 2 or sk < 2 or sc != 1 or sr == 0 or ptr % 16:
         return None
+    b, h = (b if sb else 1), (h if sh else 1)
     row_bytes = sr * itemsize
     head_bytes = sh * itemsize if h > 1 else row_bytes * sq
     batch_bytes = sb * itemsize if b > 1 else head_bytes * h

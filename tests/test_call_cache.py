@@ -341,6 +341,9 @@ def test_bias_map_layout_takes_only_what_tma_can_read():
         (80, 64, 4, 2), (160, 64 * 160, 4 * 64 * 160))
     # Broadcast batch and head: size-1 dims, dense strides.
     assert bias_map_layout((1, 1, 64, 80), (0, 0, 80, 1), 2, 256) == ((80, 64, 1, 1), (160, 64 * 160, 64 * 160))
+    # broadcast_to over the batch (stride 0 along a dim of 2): a size-1 dim as well.
+    assert bias_map_layout((2, 4, 64, 80), (0, 64 * 80, 80, 1), 2, 256) == (
+        (80, 64, 4, 1), (160, 64 * 160, 4 * 64 * 160))
     assert bias_map_layout((2, 4, 64, 80), (4 * 64 * 80, 64 * 80, 80, 1), 4, 256) is None  # fp32
     assert bias_map_layout((2, 4, 1, 80), (4 * 80, 80, 0, 1), 2, 256) is None  # broadcast over queries
     assert bias_map_layout((2, 4, 64, 1), (4 * 64, 64, 1, 0), 2, 256) is None  # broadcast over keys
