@@ -97,16 +97,16 @@ def _options_key(scale, causal, deterministic=False) -> tuple:
     return type(scale), scale, bool(causal), bool(deterministic)
 
 
-def _score_options_key(options: dict, *, bias_ok: bool = True) -> tuple:
+def _score_options_key(options: dict) -> tuple:
     """``(key, pointers)`` of the score options: ``key`` holds everything their validation reads (types
     and values of window / softcap, each array's key, each pair's type and length), ``pointers`` the five
     option-array pointers in POINTER_FIELDS order (0 where absent), then, when a bias or a bool mask is
-    given, the four fields after the lists (bias, dbias = 0, dbias_accum = 0, mask). Raises (anything) for
-    options the keys do not cover (planned or unknown ones, unreadable arrays, a bias where ``bias_ok`` is
-    False: the backward's dbias buffers are made by its validating path): the validating path then decides."""
+    given, a pair (bias, mask) of the fields after the lists (the callers fill in dbias and dbias_accum).
+    Raises (anything) for options the keys do not cover (planned or unknown ones, unreadable arrays): the
+    validating path then decides."""
     if not options:
         return None, None
-    if not set(options) <= set(validation.SCORE_OPTIONS) or (not bias_ok and options.get("bias") is not None):
+    if not set(options) <= set(validation.SCORE_OPTIONS):
         raise KeyError("not a cached score option")
     if options.get("dropout_p"):  # a new seed every step: each dropout call is validated (not cached)
         raise KeyError("dropout is not cached")
@@ -299,32 +299,39 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
                 kx, scratch[name] = array_key(buffer)
                 keys.append((name, kx))
         keys.append(_options_key(scale, causal, deterministic))
-        option_key, option_pointers = _score_options_key(options, bias_ok=False) if options else (None, None)
-        key = (workspace is None, *keys, option_key)
+        option_key, option_pointers = _score_options_key(options) if options else (None, None)
+        dbias_key, dbias_ptr = array_key(dbias)
+        key = (workspace is None, *keys, option_key, dbias_key)
         plan = _backward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
         key = plan = None
     if plan is not None and launch.current_device() == plan.device:
-        return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers)
+        return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers, dbias, dbias_ptr)
     return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
                      stream, options, key, dbias)
 
 
-def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None):
+def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None,
+                  dbias=None, dbias_ptr=0):
     """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
     ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation;
-    ``option_pointers``: the score options' arrays (None without options)."""
-    grads = [dq, dk, dv]
+    ``option_pointers``: the score options' arrays (None without options). A plan with a bias (only a
+    full-shape one is cached: its dK/dV kernels store each dbias element once) takes ``dbias`` (its pointer
+    ``dbias_ptr``) or allocates one like the validating call did, zeroed first where a mask skips tiles."""
+    grads = [dq, dk, dv] + ([dbias] if plan.dbias is not None else [])
     missing = [i for i, g in enumerate(grads) if g is None]
     owner = None
     if missing or (scratch is None and plan.scratch_bytes):
-        specs = [plan.outputs[i] for i in missing]
+        specs = [(plan.outputs + (plan.dbias[:2] if plan.dbias else None,))[i] for i in missing]
         if scratch is None and plan.scratch_bytes:
             specs.append(((plan.scratch_bytes,), "uint8"))
         made = _allocate(specs, stream)
         for i, array in zip(missing, made):
             grads[i] = array
-            pointers[6 + i] = array.data.ptr
+            if i < 3:
+                pointers[6 + i] = array.data.ptr
+            else:
+                dbias_ptr = array.data.ptr
         if scratch is None and plan.scratch_bytes:
             owner = made[-1]  # alive until the launches are enqueued (the pool is stream-ordered)
     if scratch is None:
@@ -333,14 +340,20 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     else:
         scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
                                                                                       plan.scratch_slots)]
+    if plan.dbias is not None and plan.dbias[2]:  # tiles a mask skips are never visited: their dbias is 0
+        if stream is None:
+            grads[3].fill(0)
+        else:
+            with resolve_stream(stream):
+                grads[3].fill(0)
     block = (*pointers[:9], *scratch_pointers[:4], pointers[9])
     if option_pointers is not None:
         block += (*option_pointers[:5], *scratch_pointers[4:])
-        if len(option_pointers) > 5:  # a bool mask (a bias never takes this path)
-            block += (0, 0, 0, option_pointers[5][1])
+        if len(option_pointers) > 5:  # bias, dbias, dbias_accum (a cached plan has none), bool mask
+            block += (option_pointers[5][0], dbias_ptr, 0, option_pointers[5][1])
     plan.launch(block, _stream_ptr(stream))
     del owner
-    return grads[0], grads[1], grads[2]
+    return tuple(grads)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
@@ -393,7 +406,13 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             del owners
             if dbias_accum is not None:  # fp32 sums over the broadcast dims -> the bias's dtype
                 dbias_d.array[...] = dbias_accum.astype(dbias_d.array.dtype)
-            if key is not None and not switched:
+            # A bias is cached where the kernels make dbias by themselves: full-shape (each element stored once;
+            # a hit zeroes it first where a mask skips tiles, as _dbias_buffers does). A broadcast bias (its
+            # fp32 accumulator, then a conversion) validates every call.
+            cacheable = opts.bias is None or dbias_accum is None
+            if opts.bias is not None:  # what a hit allocates when dbias= is not given, and whether it zeroes it
+                call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0)
+            if key is not None and not switched and cacheable:
                 _remember(_backward_plans, key, call)
     grads = tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
     if opts.bias is not None:

@@ -183,7 +183,7 @@ class CallPlan:
     """
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
-                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map")
+                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias")
 
     def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None):
         cc = compute_capability(device_id)
@@ -209,6 +209,7 @@ class CallPlan:
         # leaves it null.
         self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in SCRATCH_FIELDS)
         self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
+        self.dbias = None  # a backward with a bias: (shape, numpy dtype) of the dbias a hit allocates
         # A bias loaded by TMA (params.bias_tma): its tensor map names the bias's address, so a call with
         # another bias buffer (same shape and strides: the key) launches with that buffer's map.
         # (shape, element strides, itemsize) of the bias, or None.

@@ -259,8 +259,8 @@ def test_calls_with_score_options_are_cached_and_patch_every_pointer(gpu, checks
 
 @pytest.mark.parametrize("entry", ["forward", "backward"])
 def test_calls_with_a_bool_mask_or_a_bias_are_cached(gpu, checks, entry):
-    """A bool mask (forward and backward) and a bias (forward; its backward makes dbias buffers on the
-    validating path) take the cached path: the hit patches their pointers after the lists."""
+    """A bool mask (forward and backward) and a bias (forward; the backward's below) take the cached path:
+    the hit patches their pointers after the lists."""
     q, k, v = qkv(gpu)
 
     def opts_for():
@@ -293,11 +293,43 @@ def test_calls_with_a_bool_mask_or_a_bias_are_cached(gpu, checks, entry):
         assert ptrs["mask"] == opts2["mask"].data.ptr and ptrs["q"] == q2.data.ptr
         assert ptrs["bias"] == (opts2["bias"].data.ptr if entry == "forward" else 0)
         assert ptrs["dbias"] == ptrs["dbias_accum"] == 0
-    if entry == "backward":  # a bias in the backward takes the validating path (it makes the dbias buffers)
-        from cuflash import api
 
-        with pytest.raises(KeyError):
-            api._score_options_key(dict(opts2, bias=gpu.array((1, 4, 33, 47), BF16)), bias_ok=False)
+
+def test_a_backward_with_a_full_bias_is_cached(gpu, checks):
+    """A full-shape bias: the hit allocates dbias (or takes dbias=) and patches bias and dbias, launching what
+    the validating call launched."""
+    q, k, v = qkv(gpu)
+
+    def call(q, k, v, bias, dbias=None):
+        out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+        return cuflash.attention_backward(gpu.array((2, 33, 4, 64), BF16), q, k, v, out, lse, bias=bias,
+                                          dbias=dbias)
+
+    grads = call(q, k, v, gpu.array((2, 4, 33, 47), BF16))
+    assert len(grads) == 4 and grads[3].shape == (2, 4, 33, 47)
+    first, validated = list(gpu.launches), checks["check_qkv"]
+    bias2 = gpu.array((2, 4, 33, 47), BF16)
+    grads2 = call(q, k, v, bias2)
+    assert checks["check_qkv"] == validated, "a cache hit validated again"
+    second = gpu.launches[len(first):]
+    assert len(second) == len(first) >= 2
+    for a, b in zip(first, second):
+        assert a[:5] == b[:5] and _non_pointer_bytes(a[5]) == _non_pointer_bytes(b[5])
+    assert len(grads2) == 4 and grads2[3].shape == (2, 4, 33, 47) and grads2[3].dtype == BF16
+    assert grads2[3].data.ptr != grads[3].data.ptr
+    for launch_ in second:
+        ptrs = pointers_of(launch_[5])
+        assert ptrs["bias"] == bias2.data.ptr and ptrs["dbias"] == grads2[3].data.ptr and ptrs["dbias_accum"] == 0
+    # dbias= given: its own key (strides go into the parameters), then hits patch its pointer.
+    given = gpu.array((2, 4, 33, 47), BF16)
+    call(q, k, v, bias2, dbias=given)
+    validated = checks["check_qkv"]
+    given2 = gpu.array((2, 4, 33, 47), BF16)
+    before = len(gpu.launches)
+    assert call(q, k, v, bias2, dbias=given2)[3] is given2
+    assert checks["check_qkv"] == validated
+    assert all(pointers_of(l[5])["dbias"] == given2.data.ptr for l in gpu.launches[before:])
+    # (A broadcast bias, validated on every call, runs CuPy kernels on its accumulator: tests/test_options_gpu.py.)
 
 
 def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
