@@ -341,11 +341,12 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
         scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
                                                                                       plan.scratch_slots)]
     if plan.dbias is not None and plan.dbias[2]:  # tiles a mask skips are never visited: their dbias is 0
+        view = describe(grads[3], "dbias").array  # a CuPy view of any caller's array (torch, JAX, CuPy)
         if stream is None:
-            grads[3].fill(0)
+            view.fill(0)
         else:
             with resolve_stream(stream):
-                grads[3].fill(0)
+                view.fill(0)
     block = (*pointers[:9], *scratch_pointers[:4], pointers[9])
     if option_pointers is not None:
         block += (*option_pointers[:5], *scratch_pointers[4:])
