@@ -7,7 +7,9 @@
 #           (benchmarks/bench.py through python -m cuflash bench; it exits 1 when nothing was measured),
 #           features (the masks / score-options table against FlexAttention and SDPA), sanitize, fuzzlong,
 #           fa4 (FlashAttention-4 for the bench, see below), ncu (one forward+backward of $NCU_CELL, default
-#           D128-S4k-full, each kernel's speed-of-light, warp-state and scheduler sections)
+#           D128-S4k-full, each kernel's speed-of-light, warp-state and scheduler sections), shards (on a
+#           machine of several GPUs: the README's whole `python -m pytest -q` split by test file over every
+#           GPU, then the four sanitizer tools one per GPU; in the foreground)
 #
 # FlashAttention-4 on the device machine (it reaches no package registry; ../shared/FACTS.md lists the wheels).
 # The cu13 libs wheel, unzipped and xz-compressed, is ~61 MiB, the other wheels ~10 MB: together over the
@@ -78,6 +80,34 @@ for stage in "$@"; do
             python3 benchmarks/profile_cell.py "$cell" > "$OUT/ncu_$kernel.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers|Stall|Issued Warp" "$OUT/ncu_$kernel.txt" | head -20
       done ;;
+    shards)
+      # Session 21 on four H200s: the suite in three shards (test_attention_gpu.py alone; options / extremes /
+      # TMA / dropout / fuzz / wgmma; every other file) took 4-8 minutes, the sanitizers 3 more. Each shard runs
+      # in a copy of the tree (tools/ included: test_build reads tools/gen_wgmma_sm90.py) on one GPU, all on the
+      # kernel cache compiled above; GPUs beyond the shards take nothing.
+      gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
+      A="tests/test_attention_gpu.py"
+      B="tests/test_options_gpu.py tests/test_extremes_gpu.py tests/test_tma_gpu.py tests/test_dropout_gpu.py tests/test_fuzz_gpu.py tests/test_wgmma_gpu.py"
+      C=$(ls tests/test_*.py | grep -v -x -F -e $A $(for f in $B; do printf -- "-e %s " "$f"; done) | tr '\n' ' ')
+      if [ "$gpus" -ge 3 ]; then shards=("$A" "$B" "$C"); else shards=("$A $B $C"); fi
+      i=0
+      for S in "${shards[@]}"; do
+        rm -rf /tmp/shard$i && mkdir /tmp/shard$i && cp -r cuflash cuda_src tests tools benchmarks pyproject.toml /tmp/shard$i/
+        (cd /tmp/shard$i && CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout ${SHARD_TIMEOUT:-900} python3 -m pytest -q \
+            -p no:cacheprovider -rf --durations=10 $S > "$OUT/shard$i.log" 2>&1; echo "exit $?" >> "$OUT/shard$i.log") &
+        i=$((i + 1))
+      done
+      wait
+      for f in "$OUT"/shard*.log; do echo "$f: $(grep -E '(passed|failed|error)' "$f" | tail -1) $(tail -1 "$f")"; done
+      i=0
+      for tool in memcheck racecheck synccheck initcheck; do
+        rm -rf /tmp/san$i && mkdir /tmp/san$i && cp -r cuflash cuda_src benchmarks tests pyproject.toml /tmp/san$i/
+        (CUDA_VISIBLE_DEVICES=$((i % gpus)) CUFLASH_SANITIZE_LOGDIR=/tmp/san_$tool CUFLASH_SANITIZE_TIMEOUT=300 \
+            timeout 420 bash /tmp/san$i/benchmarks/sanitize.sh $tool > "$OUT/sanitize_$tool.log" 2>&1) &
+        i=$((i + 1)); [ $((i % gpus)) -eq 0 ] && wait
+      done
+      wait
+      for tool in memcheck racecheck synccheck initcheck; do tail -n 1 "$OUT/sanitize_$tool.log"; done ;;
     fullsuite)
       # The README's whole test command (7-9 min on an H100 with the kernels precompiled, session 12), which can
       # outlast the call that starts it: it runs in the background in a copy of the tree (every device call
