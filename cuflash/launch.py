@@ -209,7 +209,7 @@ class CallPlan:
         # leaves it null.
         self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in SCRATCH_FIELDS)
         self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
-        self.dbias = None  # a backward with a bias: (shape, numpy dtype) of the dbias a hit allocates
+        self.dbias = None  # a backward with a bias: (shape, numpy dtype, zero it first) of the dbias a hit makes
         # A bias loaded by TMA (params.bias_tma): its tensor map names the bias's address, so a call with
         # another bias buffer (same shape and strides: the key) launches with that buffer's map.
         # (shape, element strides, itemsize) of the bias, or None.
@@ -232,7 +232,7 @@ class CallPlan:
         encoded = tma.bias_map(shape, strides, itemsize, pointers[_BIAS_POINTER])
         if encoded is None:  # a cached call's bias off the 16-byte alignment its plan's first call had
             raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
-        return encoded.tobytes()
+        return encoded
 
     def _thread_buffer(self):
         ident = threading.get_ident()

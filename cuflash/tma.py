@@ -15,7 +15,6 @@ import ctypes
 import functools
 import os
 
-import numpy as np
 
 # cuda.h enums (CUDA 12.0 and later).
 _DATA_TYPE_UINT16 = 1         # CU_TENSOR_MAP_DATA_TYPE_UINT16: a plain 16-bit copy, fp16 and bf16 alike
@@ -86,12 +85,11 @@ def _encode(ptr: int, dims: tuple, byte_strides: tuple) -> bytes | None:
     return ctypes.string_at(address, 128)
 
 
-def bias_map(shape, strides, itemsize: int, ptr: int) -> np.ndarray | None:
-    """The bias's tensor map as 16 uint64 (``AttnParams.bias_map``), or None: TMA cannot read this bias
+def bias_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:
+    """The bias's tensor map, its 128 bytes (``TmaParams.bias``), or None: TMA cannot read this bias
     (:func:`bias_map_layout`) or the driver would not encode it. The kernels then copy its tiles with
     cp.async as before."""
     layout = bias_map_layout(shape, strides, itemsize, ptr)
     if layout is None:
         return None
-    encoded = _encode(int(ptr), *layout)
-    return None if encoded is None else np.frombuffer(encoded, dtype=np.uint64)
+    return _encode(int(ptr), *layout)
