@@ -249,7 +249,9 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=None
                          else launch.OPTION_POINTERS)
                 pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
                     int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
-            plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs, bias=opts.bias_layout())
+            qkv = None if packed is not None else tuple((t.shape, t.strides, t.itemsize) for t in (qd, kd, vd))
+            plan = launch.CallPlan(forward_plan, qd.device, params, len(pointers), outputs, bias=opts.bias_layout(),
+                                   qkv=qkv)
             plan.launch(pointers, stream.ptr)
             del owners
             if key is not None and not switched:

@@ -151,8 +151,10 @@ BIAS_MASK_POINTERS = 25
 #: The bias's index among the pointer fields.
 _BIAS_POINTER = POINTER_FIELDS.index("bias")
 #: Every launch passes two parameters: the AttnParams block and the kernels' TmaParams (cuda_src/cuflash/
-#: tma_sm90.cuh: one 64-byte-aligned tensor map, the bias's), which kernels with one parameter ignore.
-TMA_PARAMS_BYTES = 128
+#: tma_sm90.cuh: 64-byte-aligned tensor maps, the bias's, q's, k's and v's), which kernels with one parameter
+#: ignore.
+TMA_PARAMS_BYTES = 512
+_MAP_OFFSETS = {"bias": 0, "q": 128, "k": 256, "v": 384}
 _NO_TMA = ctypes.create_string_buffer(TMA_PARAMS_BYTES + 64)
 _NO_TMA_ADDRESS = -(-ctypes.addressof(_NO_TMA) // 64) * 64
 #: The scratch buffers a call may carve from one allocation, by pointer field.
@@ -183,9 +185,11 @@ class CallPlan:
     """
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
-                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias")
+                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias",
+                 "_qkv_maps")
 
-    def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None):
+    def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None,
+                 qkv=None):
         cc = compute_capability(device_id)
         loaded = [build.get_kernel(item.variant, device_id, cc, item.smem_bytes) for item in plan.launches]
         self._kernels = tuple(loaded)  # keeps the modules (and so the function pointers) alive
@@ -194,6 +198,16 @@ class CallPlan:
             (kernel.function.ptr, *item.grid, item.variant.threads, item.smem_bytes)
             for kernel, item in zip(loaded, plan.launches)
         )
+        # Q / K / V by TMA where the plan runs the warp-specialized forward on the batched layout and the driver
+        # encodes all three maps (``qkv``: their (shape, element strides, itemsize), from the call that builds the
+        # plan; the cache key holds them and their pointers' 16-byte alignment, so every hit encodes alike).
+        self._qkv_maps = None
+        if qkv is not None and _runs_ws_forward(plan) and not int(params[0]["cu_seqlens_q"]):
+            ptrs = (int(params[0]["q"]), int(params[0]["k"]), int(params[0]["v"]))
+            if all(tma.bshd_map(*layout, ptr) is not None for layout, ptr in zip(qkv, ptrs)):
+                self._qkv_maps = tuple(qkv)
+                params = params.copy()
+                params[0]["qkv_tma"] = 1
         self.params = params.tobytes()
         self.num_pointers = num_pointers
         self._pack = _pointer_prefix(num_pointers).pack_into
@@ -225,14 +239,21 @@ class CallPlan:
 
     def tma_bytes(self, pointers) -> bytes:
         """The TmaParams a call with these pointers launches with: the bias's map where the plan loads the
-        bias by TMA, else zeros."""
-        if self._bias_map is None:
-            return bytes(TMA_PARAMS_BYTES)
-        shape, strides, itemsize = self._bias_map
-        encoded = tma.bias_map(shape, strides, itemsize, pointers[_BIAS_POINTER])
-        if encoded is None:  # a cached call's bias off the 16-byte alignment its plan's first call had
-            raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
-        return encoded
+        bias by TMA, q's, k's and v's where it loads those, zeros elsewhere."""
+        out = bytearray(TMA_PARAMS_BYTES)
+        if self._bias_map is not None:
+            shape, strides, itemsize = self._bias_map
+            encoded = tma.bias_map(shape, strides, itemsize, pointers[_BIAS_POINTER])
+            if encoded is None:  # a cached call's bias off the 16-byte alignment its plan's first call had
+                raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
+            out[0:128] = encoded
+        if self._qkv_maps is not None:
+            for name, layout, ptr in zip(("q", "k", "v"), self._qkv_maps, pointers[:3]):
+                encoded = tma.bshd_map(*layout, ptr)
+                if encoded is None:
+                    raise ValueError(f"{name} must be 16-byte aligned like the first call's with this shape (TMA)")
+                out[_MAP_OFFSETS[name]:_MAP_OFFSETS[name] + 128] = encoded
+        return bytes(out)
 
     def _thread_buffer(self):
         ident = threading.get_ident()
@@ -250,10 +271,16 @@ class CallPlan:
         plan loads it by TMA) and launch every kernel on ``stream_ptr``."""
         block, argv_address, _, maps_address = self._thread_buffer()
         self._pack(block, 0, *pointers)
-        if self._bias_map is not None:
+        if self._bias_map is not None or self._qkv_maps is not None:
             ctypes.memmove(maps_address, self.tma_bytes(pointers), TMA_PARAMS_BYTES)
         for function, gx, gy, gz, threads, smem in self.launches:
             launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
+
+
+def _runs_ws_forward(plan: Plan) -> bool:
+    """Whether ``plan`` launches the warp-specialized forward (the kernel that reads q / k / v maps)."""
+    return any(item.variant.name == "cuflash::flash_fwd_kernel" and item.variant.config.mainloop == 2
+               for item in plan.launches)
 
 
 #: CUresult CUDA_ERROR_INVALID_CONTEXT: no context is current on the calling thread.

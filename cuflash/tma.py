@@ -6,8 +6,9 @@ and the box a TMA load copies from it into shared memory. The driver encodes it 
 loaded: called here through ctypes, so no binding package is needed); it travels in ``AttnParams``
 (``bias_map``), which the kernels that read it take as a ``__grid_constant__`` parameter.
 
-Only the bias is loaded this way so far: its (rows x keys) tiles, which the warp-specialized forward and
-dK/dV kernels stage in the 128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``.
+Loaded this way: the bias's (rows x keys) tiles, which the warp-specialized forward and dK/dV kernels stage in
+the 128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``, and the warp-specialized forward's Q / K / V
+tiles (batched layout). Every map has 64 x 64 boxes (64 elements of the innermost dim, 64 rows).
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ _SWIZZLE_128B = 3             # CU_TENSOR_MAP_SWIZZLE_128B: the wgmma / wide-pan
 _L2_PROMOTION_256B = 3        # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _OOB_FILL_ZERO = 0            # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements land as zeros
 
-#: The box of every bias load: 64 keys (one 128-byte swizzled panel row) x 64 rows. A kernel's tile is a
-#: whole number of them (BiasPanelTile::load_tma).
-BIAS_BOX = (64, 64)
+#: The box of every load, innermost dim first: 64 elements (one 128-byte swizzled panel row) x 64 rows. A
+#: kernel's tile is a whole number of them (BiasPanelTile::load_tma, sm90::tma_load_rows).
+BIAS_BOX = (64, 64, 1, 1)  # (keys, query rows, heads, batch)
+BSHD_BOX = (64, 1, 64, 1)  # (head dim, heads, rows, batch)
 #: The bias maps encoded lately, by (address, shape, strides): a training loop passes the same few buffers.
 _CACHE_SIZE = 64
 
@@ -70,19 +72,45 @@ def bias_map_layout(shape, strides, itemsize: int, ptr: int):
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _encode(ptr: int, dims: tuple, byte_strides: tuple) -> bytes | None:
+def _encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -> bytes | None:
     fn = _encoder()
     if fn is None:
         return None
     out = ctypes.create_string_buffer(128 + 64)
     address = -(-ctypes.addressof(out) // 64) * 64  # CUtensorMap is 64-byte aligned
     status = fn(address, _DATA_TYPE_UINT16, 4, ptr, (ctypes.c_uint64 * 4)(*dims),
-                (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*BIAS_BOX, 1, 1),
+                (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box),
                 (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B,
                 _OOB_FILL_ZERO)
     if status != 0:
         return None
     return ctypes.string_at(address, 128)
+
+
+def bshd_map_layout(shape, strides, itemsize: int, ptr: int):
+    """A batched ``(B, S, H, D)`` operand (q, k or v; element strides) as the 4-d tensor ``(D, H, S, B)`` of a
+    map, innermost first: ``(dims, byte strides of dims 1-3)``, or None where TMA cannot read it: not
+    16-bit, D not contiguous, a base or stride off 16 bytes. A size-1 batch or head takes a dense stride."""
+    b, s, h, d = (int(n) for n in shape)
+    sb, sr, sh, sd = (int(st) for st in strides)
+    if itemsize != 2 or (sd != 1 and d > 1) or ptr % 16 or d % 8:
+        return None
+    head_bytes = sh * itemsize if h > 1 else d * itemsize
+    row_bytes = sr * itemsize if s > 1 else head_bytes * h
+    batch_bytes = sb * itemsize if b > 1 else row_bytes * s
+    byte_strides = (-(-head_bytes // 16) * 16, -(-row_bytes // 16) * 16, -(-batch_bytes // 16) * 16)
+    if any(st % 16 or st <= 0 or st >= 1 << 40 for st in (head_bytes, row_bytes, batch_bytes)):
+        return None
+    return (d, h, s, b), byte_strides
+
+
+def bshd_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:
+    """The tensor map of a batched q / k / v (``TmaParams.q`` / ``k`` / ``v``), or None (see
+    :func:`bshd_map_layout`; or the driver would not encode it)."""
+    layout = bshd_map_layout(shape, strides, itemsize, ptr)
+    if layout is None:
+        return None
+    return _encode(int(ptr), *layout, BSHD_BOX)
 
 
 def bias_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:

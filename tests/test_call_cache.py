@@ -340,7 +340,9 @@ def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
 
     asked = []
 
-    def fake_encode(ptr, dims, byte_strides):
+    def fake_encode(ptr, dims, byte_strides, box=tma.BIAS_BOX):
+        if box != tma.BIAS_BOX:  # q / k / v maps: none here
+            return None
         asked.append((ptr, dims, byte_strides))
         return ptr.to_bytes(8, "little") + bytes(120)
 
@@ -363,6 +365,35 @@ def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
     cuflash.attention_forward(q, k, v, bias=gpu.array((2, 4, 64, 1), BF16))
     assert gpu.launches and all(int.from_bytes(l[5][flag:flag + 4], "little") == 0 for l in gpu.launches)
     assert all(l[6] == bytes(launch.TMA_PARAMS_BYTES) for l in gpu.launches)
+
+
+def test_the_warp_specialized_forward_gets_q_k_v_maps(gpu, monkeypatch):
+    """Where the plan runs the warp-specialized forward (D128 bf16 on sm_90) and the driver encodes all three
+    maps, the params set qkv_tma and each launch's TmaParams hold the maps of that call's q, k, v (a hit with
+    other arrays re-encodes them); where an encode fails (the driver refuses), neither."""
+    from cuflash import tma
+
+    def fake_encode(ptr, dims, byte_strides, box=tma.BIAS_BOX):
+        return ptr.to_bytes(8, "little") + bytes(box) + bytes(116)
+
+    monkeypatch.setattr(tma, "_encode", fake_encode)
+    flag = launch.params_dtype().fields["qkv_tma"][1]
+    for attempt in range(2):
+        q, k, v = qkv(gpu, sq=256, sk=256, h=4, hk=2, d=128)
+        cuflash.attention_forward(q, k, v, causal=True)
+        (launch_,) = gpu.launches[-1:]
+        assert int.from_bytes(launch_[5][flag:flag + 4], "little") == 1
+        for offset, x in ((128, q), (256, k), (384, v)):
+            assert launch_[6][offset:offset + 8] == x.data.ptr.to_bytes(8, "little")
+            assert launch_[6][offset + 8:offset + 12] == bytes(tma.BSHD_BOX)
+    assert tma.bshd_map_layout((2, 256, 4, 128), (256 * 512, 512, 128, 1), 2, 256) == (
+        (128, 4, 256, 2), (256, 1024, 256 * 1024))
+    monkeypatch.setattr(tma, "_encode", lambda *args: None)
+    api._forward_plans.clear()
+    q, k, v = qkv(gpu, sq=256, sk=256, h=4, hk=2, d=128)
+    cuflash.attention_forward(q, k, v, causal=True)
+    assert int.from_bytes(gpu.launches[-1][5][flag:flag + 4], "little") == 0
+    assert gpu.launches[-1][6] == bytes(launch.TMA_PARAMS_BYTES)
 
 
 def test_bias_map_layout_takes_only_what_tma_can_read():

@@ -109,3 +109,32 @@ def test_tma_and_cp_async_copies_give_identical_bits(p, monkeypatch):
     without = run()
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), with_tma, without, strict=True):
         assert gu.bit_identical(a, b), f"{name} differs between the TMA and the cp.async bias loads"
+
+
+QKV_PROBLEMS = [
+    Problem("bf16", B=2, Sq=300, Sk=277, H=4, Hkv=2, D=128, causal=True),
+    Problem("fp16", B=1, Sq=1000, Sk=1000, H=2, Hkv=1, D=64),
+    Problem("bf16", B=2, Sq=130, Sk=200, H=2, Hkv=2, D=256, causal=True),
+    Problem("bf16", B=1, Sq=150, Sk=170, H=4, Hkv=2, D=96, window=(40, 6)),
+    Problem("fp16", B=2, Sq=90, Sk=136, H=4, Hkv=2, D=128, bias="full", softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("p", QKV_PROBLEMS, ids=gu.problem_ids(QKV_PROBLEMS))
+def test_qkv_by_tma_against_float64_and_cp_async(p, monkeypatch):
+    """The warp-specialized forward's Q / K / V by TMA (odd lengths: zero rows past S; D96 in the 128 bucket:
+    zero columns past D): against float64, then bit for bit against the cp.async copies."""
+    x = gu.make_inputs(p)
+    api._forward_plans.clear()
+    gu.check_attention(p, inputs=x, backward=False)
+    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
+    api._forward_plans.clear()
+    with_tma = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
+    plan = next(iter(api._forward_plans.values()))
+    assert plan._qkv_maps is not None, "this problem was meant to load Q / K / V by TMA"
+    monkeypatch.setattr(tma, "_encode", lambda *args: None)
+    api._forward_plans.clear()
+    without = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
+    assert next(iter(api._forward_plans.values()))._qkv_maps is None
+    for name, a, b in zip(("out", "lse"), with_tma, without, strict=True):
+        assert gu.bit_identical(a, b), f"{name} differs between TMA and cp.async loads of Q / K / V"

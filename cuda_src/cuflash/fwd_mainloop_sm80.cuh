@@ -103,16 +103,16 @@ struct FwdLoads {
     const Elem* k_src;
     const Elem* v_src;
     unsigned smem_k, smem_v;
-    int b, h, row_begin;  // for the bias tiles
-    int seqlen_k;         // this sequence's keys
+    int b, h, h_kv, row_begin;  // for the bias tiles and the TMA loads
+    int seqlen_k;               // this sequence's keys
 
     static constexpr int kSmemBytes = QTile::kBytes + 2 * kSlots * KVTile::kBytes + kSlots * kBiasSlotBytes;
 
     __device__ __forceinline__ FwdLoads(const AttnParams& p, const SeqInfo& seq, const typename Cfg::Blocks& blocks_,
                                         unsigned smem_q, int row_begin_)
         : params(p), blocks(blocks_), k_src(seq.k<Elem>(p)), v_src(seq.v<Elem>(p)), smem_k(smem_q + QTile::kBytes),
-          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), b(seq.b), h(seq.h), row_begin(row_begin_),
-          seqlen_k(seq.seqlen_k) {}
+          smem_v(smem_q + QTile::kBytes + kSlots * KVTile::kBytes), b(seq.b), h(seq.h), h_kv(seq.h_kv),
+          row_begin(row_begin_), seqlen_k(seq.seqlen_k) {}
 
     // Slot j % kSlots of the staged bias tiles (after the V slots).
     __device__ __forceinline__ unsigned bias_slot(int j) const {
@@ -141,18 +141,32 @@ struct FwdLoads {
         load_tile<QTile, kLoadThreads, Cfg::kFastLoads>(smem_q, seq.q<Elem>(params), params.q_row_stride, row_begin,
                                                          seq.seqlen_q, params.head_dim, params.q);
     }
+    // By TMA (the warp-specialized forward, params.qkv_tma; the batched layout), issued by the calling thread
+    // alone, their bytes counted on `full`: Q of this tile, step j's K or V (into slot ring_j % kSlots).
+    __device__ __forceinline__ void load_q_tma(unsigned smem_q, const TmaDescriptor* map, unsigned full) const {
+        sm90::tma_load_rows<QTile>(smem_q, map, full, h, row_begin, b);
+    }
+    __device__ __forceinline__ void load_kv_tma(bool is_v, const TmaDescriptor* map, int j, int ring_j,
+                                                unsigned full) const {
+        if (j < blocks.count()) {
+            sm90::tma_load_rows<KVTile>((is_v ? smem_v : smem_k) + (ring_j % kSlots) * KVTile::kBytes, map, full,
+                                        h_kv, blocks.block(j) * Cfg::kBlockN, b);
+        }
+    }
     // Step j's K (and bias) / V tiles into slot ring_j % kSlots (ring_j = j but in the persistent mainloop).
-    __device__ __forceinline__ void load_k(int j, int ring_j) const {
+    // kv_by_tma: the caller's thread 0 loads K / V by TMA (load_kv_tma); this copies the bias alone, if any,
+    // and commits the group as always.
+    __device__ __forceinline__ void load_k(int j, int ring_j, bool kv_by_tma = false) const {
         if constexpr (Cfg::kBias) {
             if (j < blocks.count() && params.bias_staged && !(kPanelBias && params.bias_tma)) {
                 BiasT::template copy<kLoadThreads>(bias_slot(ring_j), params, b, h, row_begin,
                                                    blocks.block(j) * Cfg::kBlockN, threadIdx.x);
             }
         }
-        load_step(j, ring_j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
+        load_step(kv_by_tma ? -1 : j, ring_j, smem_k, k_src, params.k_row_stride, params.head_dim, params.k);
     }
-    __device__ __forceinline__ void load_v(int j, int ring_j) const {
-        load_step(j, ring_j, smem_v, v_src, params.v_row_stride, params.head_dim_v, params.v);
+    __device__ __forceinline__ void load_v(int j, int ring_j, bool kv_by_tma = false) const {
+        load_step(kv_by_tma ? -1 : j, ring_j, smem_v, v_src, params.v_row_stride, params.head_dim_v, params.v);
     }
     __device__ __forceinline__ void load_k(int j) const { load_k(j, j); }
     __device__ __forceinline__ void load_v(int j) const { load_v(j, j); }
@@ -160,7 +174,7 @@ struct FwdLoads {
     // ring_j % kSlots.
     __device__ __forceinline__ void load_step(int j, int ring_j, unsigned smem, const Elem* src, long long row_stride,
                                               int cols, const void* base) const {
-        if (j < blocks.count()) {
+        if (j >= 0 && j < blocks.count()) {  // j < 0: nothing to copy (loaded by TMA), the group still committed
             load_tile<KVTile, kLoadThreads, Cfg::kFastLoads>(smem + (ring_j % kSlots) * KVTile::kBytes, src, row_stride,
                                                               blocks.block(j) * Cfg::kBlockN, seqlen_k, cols,
                                                               base);

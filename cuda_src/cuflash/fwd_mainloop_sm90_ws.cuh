@@ -315,23 +315,40 @@ struct FwdMainloopSm90Ws
     // Step j's K (ring step r): with a bias loaded by TMA (params.bias_tma), producer thread 0 first adds the
     // bias tile's bytes to k_full(r) and asks for it (the other threads' copies leave it out, FwdLoads::load_k);
     // the phase then completes once every producer thread arrived and the tile landed.
-    __device__ __forceinline__ void load_k(const AttnParams& params, const TmaParams& tma, int j, int r) const {
+    // With params.qkv_tma (kv_tma) K comes by TMA the same way, from thread 0, and so does V (load_v).
+    __device__ __forceinline__ void load_k(const AttnParams& params, const TmaParams& tma, int j, int r,
+                                           bool kv_tma) const {
         if constexpr (Cfg::kBias) {
             if (params.bias_tma && threadIdx.x == 0) this->loads.load_bias_tma(&tma.bias, j, r, k_full(r));
         }
-        this->loads.load_k(j, r);
+        if (kv_tma && threadIdx.x == 0) this->loads.load_kv_tma(false, &tma.k, j, r, k_full(r));
+        this->loads.load_k(j, r, kv_tma);
+    }
+    __device__ __forceinline__ void load_v(const TmaParams& tma, int j, int r, bool kv_tma) const {
+        if (kv_tma && threadIdx.x == 0) this->loads.load_kv_tma(true, &tma.v, j, r, v_full(r));
+        this->loads.load_v(j, r, kv_tma);
     }
 
-    // One tile's loads (tma: the kernel's __grid_constant__ maps).
+    // One tile's loads (tma: the kernel's __grid_constant__ maps). With params.qkv_tma, Q / K / V come by TMA
+    // from producer thread 0 (their bytes counted on the full barriers), the other threads' copies (the bias's
+    // where it has no map) and the publishing below stay: every producer thread still arrives on each full
+    // barrier once its own copies, if any, landed. Q by TMA only where no sign flip waits for it (a negative
+    // scale on an unscaled modifier).
     __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, const SeqInfo& seq,
                                             FwdWsRing& ring) const {
         const int n = this->blocks.count(), r0 = ring.steps;
+        const bool kv_tma = params.qkv_tma != 0;
+        const bool q_tma = kv_tma && (Cfg::ScoreMod::kScaled || params.scale >= 0.f);
         flush(ring);
         if (ring.tiles > 0) sm90::mbarrier_wait(q_empty(), (ring.tiles - 1) & 1);  // the last tile's Q is free
-        this->loads.load_q(this->smem_q, seq, this->row_begin);
+        if (q_tma) {
+            if (threadIdx.x == 0) this->loads.load_q_tma(this->smem_q, &tma.q, q_full());
+        } else {
+            this->loads.load_q(this->smem_q, seq, this->row_begin);
+        }
         sm80::cp_async_commit();
         if (r0 >= kStages) sm90::mbarrier_wait(k_empty(r0), parity(r0) ^ 1);
-        load_k(params, tma, 0, r0);
+        load_k(params, tma, 0, r0, kv_tma);
         // Q: its group is the one before K_0's. A negative scale flips its sign first (every producer thread's
         // copies of Q landed: each waits for its own, then the warpgroup meets).
         sm80::cp_async_wait<1>();
@@ -348,11 +365,11 @@ struct FwdMainloopSm90Ws
             const int r = r0 + j;
             if (j < n) {
                 if (r >= kStages) sm90::mbarrier_wait(k_empty(r), parity(r) ^ 1);  // S of ring step r - kStages done
-                load_k(params, tma, j, r);
+                load_k(params, tma, j, r, kv_tma);
                 publish_previous(ring, k_full(r));
             }
             if (r - 1 >= kStages) sm90::mbarrier_wait(v_empty(r - 1), parity(r - 1) ^ 1);  // its P.V done
-            this->loads.load_v(j - 1, r - 1);
+            load_v(tma, j - 1, r - 1, kv_tma);
             publish_previous(ring, v_full(r - 1));
         }
         ring.steps += n;
@@ -451,8 +468,13 @@ struct FwdMainloopSm90Ws
     }
 
     // After the epilogue: with O staged in Q's tile, this thread is done with Q only now.
+    // The epilogue's generic stores into Q's tile come before the async proxy's next writes there (Q by TMA):
+    // fence.proxy.async, then the arrive.
     __device__ __forceinline__ void release_q() const {
-        if constexpr (!kSeparateO) sm90::mbarrier_arrive(q_empty());
+        if constexpr (!kSeparateO) {
+            sm90::fence_proxy_async();
+            sm90::mbarrier_arrive(q_empty());
+        }
     }
 };
 

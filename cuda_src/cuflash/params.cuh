@@ -137,6 +137,7 @@ struct AttnParams {
     int dq_order_blocks;
     int bias_tma;  // 1: the launch's TmaParams hold the bias's tensor map (the warp-specialized sm_90a kernels
                    // then load its staged tiles by TMA: cuflash/tma_sm90.cuh)
+    int qkv_tma;   // 1: they hold q's, k's and v's (the warp-specialized forward then loads Q / K / V by TMA)
 };
 
 // The warp-specialized forward's tile counter under the general mask: the int after the query-block lists

@@ -22,10 +22,14 @@ struct alignas(64) TmaDescriptor {
     unsigned long long bits[16];
 };
 
-// The second parameter of the forward and dK/dV kernels: the maps of the tensors they may load by TMA.
-// bias: valid when AttnParams::bias_tma (cuflash/tma.py: TMA_PARAMS_BYTES is this struct's size).
+// The second parameter of the forward and dK/dV kernels: the maps of the tensors they may load by TMA
+// (cuflash/launch.py: TMA_PARAMS_BYTES is this struct's size). bias: valid when AttnParams::bias_tma; q, k, v
+// (the batched "bshd" tensors as 4-d (D, H, S, B) maps, 64 x 64 boxes): valid when AttnParams::qkv_tma.
 struct TmaParams {
     TmaDescriptor bias;
+    TmaDescriptor q;
+    TmaDescriptor k;
+    TmaDescriptor v;
 };
 
 namespace sm90 {
@@ -49,6 +53,25 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDescriptor* d
         "%5}], [%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
+}
+
+// A wide-panel tile (SwizzledTile with 64-column panels, kRows a multiple of 64) of rows row0 .. + kRows of
+// head `head` in batch `batch` of a (D, H, S, B) map, by the calling thread alone: a 64 x 64 box per 64 rows of
+// each panel (the map's 128-byte swizzle is the tile's when it starts 1024-byte aligned). Adds the tile's bytes
+// to `bar` first; columns past D and rows past S land as zeros (and count).
+template <typename Tile>
+__device__ __forceinline__ void tma_load_rows(unsigned smem, const TmaDescriptor* map, unsigned bar, int head,
+                                              int row0, int batch) {
+    static_assert(Tile::kPanelCols == 64 && Tile::kRows % 64 == 0, "64-column panels of whole 64-row boxes");
+    mbarrier_expect_tx(bar, Tile::kBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tile::kPanels; ++panel) {
+#pragma unroll
+        for (int rows = 0; rows < Tile::kRows; rows += 64) {
+            tma_load_4d(smem + panel * Tile::kPanelBytes + rows * Tile::kRowBytes, map, bar, 64 * panel, head,
+                        row0 + rows, batch);
+        }
+    }
 }
 
 }  // namespace sm90
