@@ -404,7 +404,9 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
                          else launch.OPTION_POINTERS)
                 pointers += tuple(int(params[0][field])
                                   for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
-            call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout())
+            qkv = None if packed is not None else tuple((t.shape, t.strides, t.itemsize)
+                                                        for t in (qd, kd, vd, dout_d))
+            call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout(), qkv=qkv)
             call.launch(pointers, stream.ptr)
             del owners
             if dbias_accum is not None:  # fp32 sums over the broadcast dims -> the bias's dtype

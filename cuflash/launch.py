@@ -153,8 +153,10 @@ _BIAS_POINTER = POINTER_FIELDS.index("bias")
 #: Every launch passes two parameters: the AttnParams block and the kernels' TmaParams (cuda_src/cuflash/
 #: tma_sm90.cuh: 64-byte-aligned tensor maps, the bias's, q's, k's and v's), which kernels with one parameter
 #: ignore.
-TMA_PARAMS_BYTES = 512
-_MAP_OFFSETS = {"bias": 0, "q": 128, "k": 256, "v": 384}
+TMA_PARAMS_BYTES = 640
+_MAP_OFFSETS = {"bias": 0, "q": 128, "k": 256, "v": 384, "dout": 512}
+#: The operands a plan may load by TMA, with their pointers' index in the pointer block (POINTER_FIELDS).
+_MAPPED = (("q", 0), ("k", 1), ("v", 2), ("dout", 5))
 _NO_TMA = ctypes.create_string_buffer(TMA_PARAMS_BYTES + 64)
 _NO_TMA_ADDRESS = -(-ctypes.addressof(_NO_TMA) // 64) * 64
 #: The scratch buffers a call may carve from one allocation, by pointer field.
@@ -198,12 +200,13 @@ class CallPlan:
             (kernel.function.ptr, *item.grid, item.variant.threads, item.smem_bytes)
             for kernel, item in zip(loaded, plan.launches)
         )
-        # Q / K / V by TMA where the plan runs the warp-specialized forward on the batched layout and the driver
-        # encodes all three maps (``qkv``: their (shape, element strides, itemsize), from the call that builds the
-        # plan; the cache key holds them and their pointers' 16-byte alignment, so every hit encodes alike).
+        # Q / K / V (and the backward's dO) by TMA where the plan runs a warp-specialized kernel that reads them on
+        # the batched layout and the driver encodes every map (``qkv``: (shape, element strides, itemsize) of q, k,
+        # v and, in the backward, dout, from the call that builds the plan; the cache key holds them and their
+        # pointers' 16-byte alignment, so every hit encodes alike).
         self._qkv_maps = None
-        if qkv is not None and _runs_ws_forward(plan) and not int(params[0]["cu_seqlens_q"]):
-            ptrs = (int(params[0]["q"]), int(params[0]["k"]), int(params[0]["v"]))
+        if qkv is not None and _reads_qkv_maps(plan) and not int(params[0]["cu_seqlens_q"]):
+            ptrs = [int(params[0][name]) for name, _ in _MAPPED[:len(qkv)]]
             if all(tma.bshd_map(*layout, ptr) is not None for layout, ptr in zip(qkv, ptrs)):
                 self._qkv_maps = tuple(qkv)
                 params = params.copy()
@@ -248,8 +251,8 @@ class CallPlan:
                 raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
             out[0:128] = encoded
         if self._qkv_maps is not None:
-            for name, layout, ptr in zip(("q", "k", "v"), self._qkv_maps, pointers[:3]):
-                encoded = tma.bshd_map(*layout, ptr)
+            for (name, index), layout in zip(_MAPPED, self._qkv_maps):
+                encoded = tma.bshd_map(*layout, pointers[index])
                 if encoded is None:
                     raise ValueError(f"{name} must be 16-byte aligned like the first call's with this shape (TMA)")
                 out[_MAP_OFFSETS[name]:_MAP_OFFSETS[name] + 128] = encoded
@@ -277,10 +280,11 @@ class CallPlan:
             launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
 
 
-def _runs_ws_forward(plan: Plan) -> bool:
-    """Whether ``plan`` launches the warp-specialized forward (the kernel that reads q / k / v maps)."""
-    return any(item.variant.name == "cuflash::flash_fwd_kernel" and item.variant.config.mainloop == 2
-               for item in plan.launches)
+def _reads_qkv_maps(plan: Plan) -> bool:
+    """Whether ``plan`` launches a kernel that reads the q / k / v (/ dout) maps: the warp-specialized forward
+    or dK/dV kernel (mainloop 2 of either)."""
+    return any(item.variant.name in ("cuflash::flash_fwd_kernel", "cuflash::flash_bwd_dkdv_kernel")
+               and item.variant.config.mainloop == 2 for item in plan.launches)
 
 
 #: CUresult CUDA_ERROR_INVALID_CONTEXT: no context is current on the calling thread.

@@ -370,7 +370,8 @@ def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
 def test_the_warp_specialized_forward_gets_q_k_v_maps(gpu, monkeypatch):
     """Where the plan runs the warp-specialized forward (D128 bf16 on sm_90) and the driver encodes all three
     maps, the params set qkv_tma and each launch's TmaParams hold the maps of that call's q, k, v (a hit with
-    other arrays re-encodes them); where an encode fails (the driver refuses), neither."""
+    other arrays re-encodes them), and the backward's dout's too; where an encode fails (the driver refuses),
+    neither."""
     from cuflash import tma
 
     def fake_encode(ptr, dims, byte_strides, box=tma.BIAS_BOX):
@@ -386,6 +387,14 @@ def test_the_warp_specialized_forward_gets_q_k_v_maps(gpu, monkeypatch):
         for offset, x in ((128, q), (256, k), (384, v)):
             assert launch_[6][offset:offset + 8] == x.data.ptr.to_bytes(8, "little")
             assert launch_[6][offset + 8:offset + 12] == bytes(tma.BSHD_BOX)
+    # The backward's warp-specialized dK/dV kernel reads q, k, v and dout maps.
+    out, lse, dout = gpu.array((2, 256, 4, 128), BF16), gpu.array((2, 4, 256), np.float32), gpu.array((2, 256, 4, 128), BF16)
+    before = len(gpu.launches)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for launch_ in gpu.launches[before:]:
+        assert int.from_bytes(launch_[5][flag:flag + 4], "little") == 1
+        for offset, x in ((128, q), (256, k), (384, v), (512, dout)):
+            assert launch_[6][offset:offset + 8] == x.data.ptr.to_bytes(8, "little")
     assert tma.bshd_map_layout((2, 256, 4, 128), (256 * 512, 512, 128, 1), 2, 256) == (
         (128, 4, 256, 2), (256, 1024, 256 * 1024))
     monkeypatch.setattr(tma, "_encode", lambda *args: None)

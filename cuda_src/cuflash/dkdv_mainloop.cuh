@@ -47,8 +47,9 @@ struct DkdvLoads {
     // `stage`. Inside the loop it is called with a SeqInfo of opaque (b, h) and an opaque tid: the pointers
     // are rebuilt from the constant-bank params on each call instead of holding registers across the loop.
     // Rows past Sq: zero-filled (lse 0 there; the mask hides those queries).
+    // tiles = false: Q and dO come by TMA (the warp-specialized producer's thread 0); lse, D and the bias here.
     static __device__ __forceinline__ void load_queries(const AttnParams& p, const SeqInfo& seq, unsigned smem, int m,
-                                                        int stage, int tid, int key0) {
+                                                        int stage, int tid, int key0, bool tiles = true) {
         const int q0 = m * Cfg::kBlockM;
         if constexpr (Cfg::kBias && !Cfg::kBiasInDs) {  // (kBiasInDs: the producer stages it, in the dS tile)
             if (p.bias_staged) {
@@ -57,10 +58,13 @@ struct DkdvLoads {
             }
         }
         const int rows = seq.seqlen_q - q0;
-        copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes, seq.q<Elem>(p, q0),
-                                             p.q_row_stride, rows, p.head_dim, tid);
-        copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes, seq.dout<Elem>(p, q0),
-                                             p.do_row_stride, rows, p.head_dim_v, tid);
+        if (tiles) {
+            copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffQ + stage * Cfg::TileQ::kBytes,
+                                                                    seq.q<Elem>(p, q0), p.q_row_stride, rows, p.head_dim, tid);
+            copy_tile_flat<typename Cfg::TileQ, kThreads, kRowWalk>(smem + Cfg::kOffDo + stage * Cfg::TileQ::kBytes,
+                                                                    seq.dout<Elem>(p, q0), p.do_row_stride, rows,
+                                                                    p.head_dim_v, tid);
+        }
         const float* lse_ptr = seq.lse_in(p, q0);
         const float* dsum_ptr = seq.softmax_d(p, q0);
         for (int i = tid; i < Cfg::kBlockM; i += kThreads) {

@@ -197,10 +197,19 @@ struct DkdvMainloopSm90Ws {
         const int key0 = n_block * Cfg::kBlockN;
         if (num_steps == 0) return;
         const bool ordered = ordered_dq(params);
+        // params.qkv_tma (the batched layout): K, V and each step's Q, dO by TMA from thread 0, their bytes
+        // counted on kv_full / the stage's q_full before its own arrival there; lse, D (and a bias without a map)
+        // still by cp.async, published as before.
+        const bool tma_tiles = params.qkv_tma != 0;
         Cursor c = start(n_block, h0, num_m_blocks, ordered);
         {
             const SeqInfo seq(params, b, h0, LayoutOf<Cfg::kMask>());
-            Loads::load_kv(params, seq, smem, key0, tid);
+            if (!tma_tiles) {
+                Loads::load_kv(params, seq, smem, key0, tid);
+            } else if (tid == 0) {
+                sm90::tma_load_rows<typename Cfg::TileK>(smem + Cfg::kOffK, &tma.k, kv_full(smem), seq.h_kv, key0, b);
+                sm90::tma_load_rows<typename Cfg::TileK>(smem + Cfg::kOffV, &tma.v, kv_full(smem), seq.h_kv, key0, b);
+            }
             sm80::cp_async_commit();
         }
         // The block and head of steps k - 1 and k - 2 (their dQ is added later).
@@ -217,8 +226,14 @@ struct DkdvMainloopSm90Ws {
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
             // Opaque (b, h, tid): the addresses are rebuilt from the constant bank on each call instead of
             // held across the loop in the producer's few registers.
+            if (tma_tiles && tid == 0) {
+                const int q0 = blocks.block(c.index()) * Cfg::kBlockM;
+                sm90::tma_load_rows<TileQ>(smem + Cfg::kOffQ + s * TileQ::kBytes, &tma.q, q_full(smem, s), c.h, q0, b);
+                sm90::tma_load_rows<TileQ>(smem + Cfg::kOffDo + s * TileQ::kBytes, &tma.dout, q_full(smem, s), c.h, q0,
+                                           b);
+            }
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
-                                blocks.block(c.index()), s, opaque(tid), key0);
+                                blocks.block(c.index()), s, opaque(tid), key0, !tma_tiles);
             if constexpr (Cfg::kBiasInDs) {  // into the step's dS tile, free since step - 2 released stage s
                 if (params.bias_tma) {  // by TMA, thread 0 alone, its bytes counted on the stage's full barrier
                     if (tid == 0) {

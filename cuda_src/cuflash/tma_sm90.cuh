@@ -24,12 +24,14 @@ struct alignas(64) TmaDescriptor {
 
 // The second parameter of the forward and dK/dV kernels: the maps of the tensors they may load by TMA
 // (cuflash/launch.py: TMA_PARAMS_BYTES is this struct's size). bias: valid when AttnParams::bias_tma; q, k, v
-// (the batched "bshd" tensors as 4-d (D, H, S, B) maps, 64 x 64 boxes): valid when AttnParams::qkv_tma.
+// and in the backward dout (the batched "bshd" tensors as 4-d (D, H, S, B) maps, 64 x 64 boxes): valid when
+// AttnParams::qkv_tma.
 struct TmaParams {
     TmaDescriptor bias;
     TmaDescriptor q;
     TmaDescriptor k;
     TmaDescriptor v;
+    TmaDescriptor dout;  // the backward's (the warp-specialized dK/dV kernel's dO tiles)
 };
 
 namespace sm90 {
