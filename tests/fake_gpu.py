@@ -12,7 +12,7 @@ import math
 import cupy
 import numpy as np
 
-from cuflash import arrays, build, launch
+from cuflash import arrays, build, launch, tma
 from cuflash.params import params_dtype
 
 
@@ -104,6 +104,10 @@ class FakeGPU:
         setattr(cupy.cuda, "get_current_stream", lambda *args: self.stream)
         setattr(cupy.cuda, "ExternalStream", FakeExternalStream)
         setattr(arrays, "_external_streams", {})
+        # No tensor maps: on a machine with a driver, tma._encode would encode maps of the fake addresses, and
+        # params would differ from the machine without one (session 22: test_call_cache failed on the GPU
+        # machine only). Tests of the maps patch it again.
+        setattr(tma, "_encode", lambda *args, **kwargs: None)
         launch.forward_plan.cache_clear()
         launch.backward_plan.cache_clear()
         return self
