@@ -188,7 +188,7 @@ class CallPlan:
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
                  "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias",
-                 "_qkv_maps")
+                 "_qkv_maps", "_maps", "_map_pointers", "_maps_at")
 
     def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None,
                  qkv=None):
@@ -203,14 +203,19 @@ class CallPlan:
         # Q / K / V (and the backward's dO) by TMA where the plan runs a warp-specialized kernel that reads them on
         # the batched layout and the driver encodes every map (``qkv``: (shape, element strides, itemsize) of q, k,
         # v and, in the backward, dout, from the call that builds the plan; the cache key holds them and their
-        # pointers' 16-byte alignment, so every hit encodes alike).
-        self._qkv_maps = None
+        # pointers' 16-byte alignment, so every hit encodes alike). The maps' layouts are fixed here; a launch
+        # only encodes them at its pointers (tma_bytes).
+        maps = []  # (pointer index, TmaParams offset, dims, byte strides, box, name) of each map a launch writes
         if qkv is not None and _reads_qkv_maps(plan) and not int(params[0]["cu_seqlens_q"]):
             ptrs = [int(params[0][name]) for name, _ in _MAPPED[:len(qkv)]]
-            if all(tma.bshd_map(*layout, ptr) is not None for layout, ptr in zip(qkv, ptrs)):
-                self._qkv_maps = tuple(qkv)
+            layouts = [tma.bshd_map_layout(*operand, ptr) for operand, ptr in zip(qkv, ptrs)]
+            if all(layout is not None and tma.encode(ptr, *layout, tma.BSHD_BOX) is not None
+                   for layout, ptr in zip(layouts, ptrs)):
+                maps += [(index, _MAP_OFFSETS[name], *layout, tma.BSHD_BOX, name)
+                         for (name, index), layout in zip(_MAPPED, layouts)]
                 params = params.copy()
                 params[0]["qkv_tma"] = 1
+        self._qkv_maps = tuple(qkv) if maps else None
         self.params = params.tobytes()
         self.num_pointers = num_pointers
         self._pack = _pointer_prefix(num_pointers).pack_into
@@ -231,8 +236,15 @@ class CallPlan:
         # another bias buffer (same shape and strides: the key) launches with that buffer's map.
         # (shape, element strides, itemsize) of the bias, or None.
         self._bias_map = bias if bias is not None and int(params[0]["bias_tma"]) else None
-        if self._bias_map is not None and num_pointers <= _BIAS_POINTER:
-            raise AssertionError("a plan loading the bias by TMA must patch the bias pointer")
+        if self._bias_map is not None:
+            if num_pointers <= _BIAS_POINTER:
+                raise AssertionError("a plan loading the bias by TMA must patch the bias pointer")
+            shape, strides, itemsize = self._bias_map
+            layout = tma.bias_map_layout(shape, strides, itemsize, int(params[0]["bias"]))
+            maps.insert(0, (_BIAS_POINTER, _MAP_OFFSETS["bias"], *layout, tma.BIAS_BOX, "bias"))
+        self._maps = tuple(maps)
+        self._map_pointers = tuple(entry[0] for entry in maps)
+        self._maps_at = None  # (the pointers, TmaParams bytes) of the last tma_bytes: a loop passes the same buffers
 
     def params_bytes(self, pointers) -> bytes:
         """The parameter block a call with these pointers launches with (for tests and debugging)."""
@@ -241,22 +253,20 @@ class CallPlan:
         return bytes(block)
 
     def tma_bytes(self, pointers) -> bytes:
-        """The TmaParams a call with these pointers launches with: the bias's map where the plan loads the
-        bias by TMA, q's, k's and v's where it loads those, zeros elsewhere."""
+        """The TmaParams a call with these pointers launches with: the maps of the bias and of q / k / v (/ dout)
+        where the plan loads them by TMA, zeros elsewhere."""
+        at = tuple(pointers[index] for index in self._map_pointers)
+        last = self._maps_at
+        if last is not None and last[0] == at:
+            return last[1]
         out = bytearray(TMA_PARAMS_BYTES)
-        if self._bias_map is not None:
-            shape, strides, itemsize = self._bias_map
-            encoded = tma.bias_map(shape, strides, itemsize, pointers[_BIAS_POINTER])
-            if encoded is None:  # a cached call's bias off the 16-byte alignment its plan's first call had
-                raise ValueError("bias must be 16-byte aligned like the first call's with this shape (TMA loads)")
-            out[0:128] = encoded
-        if self._qkv_maps is not None:
-            for (name, index), layout in zip(_MAPPED, self._qkv_maps):
-                encoded = tma.bshd_map(*layout, pointers[index])
-                if encoded is None:
-                    raise ValueError(f"{name} must be 16-byte aligned like the first call's with this shape (TMA)")
-                out[_MAP_OFFSETS[name]:_MAP_OFFSETS[name] + 128] = encoded
-        return bytes(out)
+        for (_, offset, dims, byte_strides, box, name), ptr in zip(self._maps, at):
+            encoded = tma.encode(ptr, dims, byte_strides, box) if ptr % 16 == 0 else None
+            if encoded is None:  # a cached call's operand off the 16-byte alignment its plan's first call had
+                raise ValueError(f"{name} must be 16-byte aligned like the first call's with this shape (TMA loads)")
+            out[offset:offset + 128] = encoded
+        self._maps_at = (at, bytes(out))
+        return self._maps_at[1]
 
     def _thread_buffer(self):
         ident = threading.get_ident()
@@ -274,7 +284,7 @@ class CallPlan:
         plan loads it by TMA) and launch every kernel on ``stream_ptr``."""
         block, argv_address, _, maps_address = self._thread_buffer()
         self._pack(block, 0, *pointers)
-        if self._bias_map is not None or self._qkv_maps is not None:
+        if self._maps:
             ctypes.memmove(maps_address, self.tma_bytes(pointers), TMA_PARAMS_BYTES)
         for function, gx, gy, gz, threads, smem in self.launches:
             launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)

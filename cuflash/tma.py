@@ -28,8 +28,9 @@ _OOB_FILL_ZERO = 0            # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds
 #: kernel's tile is a whole number of them (BiasPanelTile::load_tma, sm90::tma_load_rows).
 BIAS_BOX = (64, 64, 1, 1)  # (keys, query rows, heads, batch)
 BSHD_BOX = (64, 1, 64, 1)  # (head dim, heads, rows, batch)
-#: The bias maps encoded lately, by (address, shape, strides): a training loop passes the same few buffers.
-_CACHE_SIZE = 64
+#: The maps encoded lately, by (address, dims, strides, box): a training loop passes the same buffers every step
+#: (a layer's q / k / v / dout and bias: 4-5 maps per layer; 1024 maps of 128 bytes hold a few hundred layers).
+_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,6 +86,12 @@ def _encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -
     if status != 0:
         return None
     return ctypes.string_at(address, 128)
+
+
+def encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -> bytes | None:
+    """The 128 bytes of the map of ``dims`` / ``byte_strides`` (a ``*_map_layout``) at ``ptr``, or None where the
+    driver would not encode it (remembered: the last _CACHE_SIZE maps)."""
+    return _encode(ptr, dims, byte_strides, box)
 
 
 def bshd_map_layout(shape, strides, itemsize: int, ptr: int):
