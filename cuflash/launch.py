@@ -15,6 +15,8 @@ import numpy as np
 
 from . import build, kernels, tma
 from .kernels import Plan, ProblemShape
+from .kernels import backward as _backward_kernels
+from .kernels import forward as _forward_kernels
 from .params import params_dtype
 
 _LOG2E = 1.4426950408889634
@@ -293,8 +295,10 @@ class CallPlan:
 def _reads_qkv_maps(plan: Plan) -> bool:
     """Whether ``plan`` launches a kernel that reads the q / k / v (/ dout) maps: the warp-specialized forward
     or dK/dV kernel (mainloop 2 of either)."""
-    return any(item.variant.name in ("cuflash::flash_fwd_kernel", "cuflash::flash_bwd_dkdv_kernel")
-               and item.variant.config.mainloop == 2 for item in plan.launches)
+    ws = {"cuflash::flash_fwd_kernel": _forward_kernels.MAINLOOP_SM90_WS,
+          "cuflash::flash_bwd_dkdv_kernel": _backward_kernels.MAINLOOP_SM90_WS}
+    return any(item.variant.name in ws and item.variant.config.mainloop == ws[item.variant.name]
+               for item in plan.launches)
 
 
 #: CUresult CUDA_ERROR_INVALID_CONTEXT: no context is current on the calling thread.

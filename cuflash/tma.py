@@ -3,19 +3,18 @@
 A tensor map (the driver's ``CUtensorMap``, 128 opaque bytes) describes a strided tensor in global memory
 and the box a TMA load copies from it into shared memory. The driver encodes it on the host
 (``cuTensorMapEncodeTiled``, a pure host function of the driver library that every CUDA process has
-loaded: called here through ctypes, so no binding package is needed); it travels in ``AttnParams``
-(``bias_map``), which the kernels that read it take as a ``__grid_constant__`` parameter.
+loaded: called here through ctypes, so no binding package is needed); the maps travel in ``TmaParams``, the
+second, ``__grid_constant__`` parameter of the kernels that read them (``cuflash/launch.py`` writes it).
 
-Loaded this way: the bias's (rows x keys) tiles, which the warp-specialized forward and dK/dV kernels stage in
-the 128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``, and the warp-specialized forward's Q / K / V
-tiles (batched layout). Every map has 64 x 64 boxes (64 elements of the innermost dim, 64 rows).
+Loaded this way, by the warp-specialized forward and dK/dV kernels: the bias's (rows x keys) tiles, staged in the
+128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``, and the Q / K / V (and dO) tiles of the batched
+layout. Every map has 64 x 64 boxes (64 elements of the innermost dim, 64 rows).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import os
-
 
 # cuda.h enums (CUDA 12.0 and later).
 _DATA_TYPE_UINT16 = 1         # CU_TENSOR_MAP_DATA_TYPE_UINT16: a plain 16-bit copy, fp16 and bf16 alike
@@ -73,7 +72,7 @@ def bias_map_layout(shape, strides, itemsize: int, ptr: int):
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -> bytes | None:
+def _encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple) -> bytes | None:
     fn = _encoder()
     if fn is None:
         return None
@@ -88,7 +87,7 @@ def _encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -
     return ctypes.string_at(address, 128)
 
 
-def encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple = BIAS_BOX) -> bytes | None:
+def encode(ptr: int, dims: tuple, byte_strides: tuple, box: tuple) -> bytes | None:
     """The 128 bytes of the map of ``dims`` / ``byte_strides`` (a ``*_map_layout``) at ``ptr``, or None where the
     driver would not encode it (remembered: the last _CACHE_SIZE maps)."""
     return _encode(ptr, dims, byte_strides, box)
@@ -111,15 +110,6 @@ def bshd_map_layout(shape, strides, itemsize: int, ptr: int):
     return (d, h, s, b), byte_strides
 
 
-def bshd_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:
-    """The tensor map of a batched q / k / v (``TmaParams.q`` / ``k`` / ``v``), or None (see
-    :func:`bshd_map_layout`; or the driver would not encode it)."""
-    layout = bshd_map_layout(shape, strides, itemsize, ptr)
-    if layout is None:
-        return None
-    return _encode(int(ptr), *layout, BSHD_BOX)
-
-
 def bias_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:
     """The bias's tensor map, its 128 bytes (``TmaParams.bias``), or None: TMA cannot read this bias
     (:func:`bias_map_layout`) or the driver would not encode it. The kernels then copy its tiles with
@@ -127,4 +117,4 @@ def bias_map(shape, strides, itemsize: int, ptr: int) -> bytes | None:
     layout = bias_map_layout(shape, strides, itemsize, ptr)
     if layout is None:
         return None
-    return _encode(int(ptr), *layout)
+    return _encode(int(ptr), *layout, BIAS_BOX)
