@@ -14,6 +14,12 @@
 // the tile's bytes (mask_any_all) where the ranges did not already skip it. "Skip" needs proof that no
 // pair is visible; "full" needs proof that every pair is, and a tile crossing the end of the queries or
 // keys is never full (the mask then also hides the zero-filled rows past Sq / Sk).
+//
+// With segment or block ids, the lists' buffer then takes the id ranges (IdRanges, cuflash/params.cuh): the
+// scan of the inner ids above also tests that they never decrease (within each inner block and across to the
+// next), and where they do not, each outer row's range of inner rows its ids let it see comes from two binary
+// searches (sorted ids make "equal segment" and "k block <= q block" one interval). The partial tiles then
+// compare positions against that range instead of reading ids (GeneralMaskOf's ranged forms).
 
 #include "cuflash/params.cuh"
 #include "cuflash/mask.cuh"
@@ -23,15 +29,36 @@ namespace cuflash {
 constexpr int kListThreads = 128;
 constexpr int kIntMax = 0x7fffffff;
 
-// min / max of ids[r0, r1) (r0 < r1), one thread.
-__device__ __forceinline__ int2 id_range(const int* ids, int r0, int r1) {
+// min / max of ids[r0, r1) (r0 < r1 <= n), one thread; clears `sorted` unless ids[r0, min(r1 + 1, n)) (the
+// rows and the step to the next block's first) is nondecreasing.
+__device__ __forceinline__ int2 id_range(const int* ids, int r0, int r1, int n, bool& sorted) {
     int2 range = make_int2(kIntMax, -kIntMax - 1);
+    int prev = -kIntMax - 1;
     for (int r = r0; r < r1; ++r) {
         const int id = __ldg(ids + r);
+        sorted = sorted && id >= prev;
+        prev = id;
         range.x = min(range.x, id);
         range.y = max(range.y, id);
     }
+    if (r1 < n) sorted = sorted && __ldg(ids + r1) >= prev;
     return range;
+}
+
+// The first i in [0, n) with ids[i] >= x (kUpper: > x), or n; ids nondecreasing.
+template <bool kUpper>
+__device__ __forceinline__ int bound(const int* ids, int n, int x) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        const int id = __ldg(ids + mid);
+        if (kUpper ? id <= x : id < x) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
 }
 
 // min / max of ids[r0, r1) over the whole CTA (every thread gets the result).
@@ -135,6 +162,9 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
     TileIds ids{};
     const int* outer_seg = kTransposed ? k_seg : q_seg;
     const int* outer_blk = kTransposed ? k_blk : q_blk;
+    const int* inner_seg = kTransposed ? q_seg : k_seg;
+    const int* inner_blk = kTransposed ? q_blk : k_blk;
+    bool inner_sorted = true;  // this thread's inner blocks' ids nondecreasing (IdRanges)
     if (outer_seg != nullptr) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(outer_seg, o0, o1);
     if (outer_blk != nullptr) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(outer_blk, o0, o1);
 
@@ -153,11 +183,13 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
         int cls = kSkipTile;
         if (i < n_inner) {
             const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
-            const int* inner_seg = kTransposed ? q_seg : k_seg;
-            const int* inner_blk = kTransposed ? q_blk : k_blk;
             TileIds tile = ids;
-            if (inner_seg != nullptr) (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1);
-            if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1);
+            if (inner_seg != nullptr) {
+                (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1, inner_len, inner_sorted);
+            }
+            if (inner_blk != nullptr) {
+                (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1, inner_len, inner_sorted);
+            }
             int r0, r1, c0, c1;
             bounds(i, r0, r1, c0, c1);
             const bool tail = r0 + kQRows > m.seqlen_q || c0 + kKRows > m.seqlen_k;
@@ -198,6 +230,35 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
         __syncthreads();  // s_counts is rewritten by the next chunk
     }
     if (threadIdx.x == 0) row[0] = base;
+
+    // The id ranges (params.cuh, IdRanges): per batch, whether the inner ids are sorted (every CTA of the
+    // batch scanned them all above); then each outer row's range of inner rows by its ids, by binary search
+    // (the ids are L1-resident after the scan). Ids are per batch, so the first mask head's CTAs write them.
+    if ((outer_seg != nullptr || outer_blk != nullptr) && blockIdx.y == 0) {
+        const bool sorted = __syncthreads_and(inner_sorted) != 0;
+        const IdRanges out = kTransposed ? q_id_ranges(params) : kv_id_ranges(params);
+        if (outer == 0 && threadIdx.x == 0) const_cast<int*>(out.flags)[b] = sorted ? 1 : 0;
+        if (sorted) {
+            int2* ranges = const_cast<int2*>(out.ranges) + static_cast<long long>(b) * (kTransposed ? params.seqlen_k : params.seqlen_q);
+            for (int r = o0 + static_cast<int>(threadIdx.x); r < o1; r += kListThreads) {
+                int lo = 0, hi = inner_len;
+                if (outer_seg != nullptr) {  // the run of inner rows with the same id
+                    const int id = __ldg(outer_seg + r);
+                    lo = bound<false>(inner_seg, inner_len, id);
+                    hi = bound<true>(inner_seg, inner_len, id);
+                }
+                if (outer_blk != nullptr) {
+                    const int id = __ldg(outer_blk + r);
+                    if (kTransposed) {
+                        lo = max(lo, bound<false>(inner_blk, inner_len, id));  // queries with q_blk >= k_blk
+                    } else {
+                        hi = min(hi, bound<true>(inner_blk, inner_len, id));  // keys with k_blk <= q_blk
+                    }
+                }
+                ranges[r] = make_int2(lo, max(lo, hi));
+            }
+        }
+    }
 }
 
 }  // namespace cuflash

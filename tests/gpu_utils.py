@@ -82,11 +82,14 @@ SEGMENT_KINDS = {
     "docs": "sorted document ids (packed documents of random lengths), aligned",
     "random": "unsorted ids 0..3 drawn independently for q and k",
     "qonly": "docs, plus a run of query rows whose id no key has (those rows see nothing)",
+    "restart": "docs, but batch row 0's ids restart every 64 queries / 128 keys (sorted within each such "
+               "block, not across: each id's rows and keys are several runs)",
 }
 #: How ``Problem.blocks`` draws ``block_ids`` (attend iff k_id <= q_id).
 BLOCK_KINDS = {
     "blocks": "nondecreasing block ids (blocks of random lengths), aligned: block-causal attention",
     "random": "unsorted ids 0..4 drawn independently for q and k",
+    "restart": "nondecreasing block ids, but batch row 0's restart every 64 queries / 128 keys",
 }
 #: ``Problem.alibi``: slopes of shape (H,) (the ALiBi paper's geometric ones) or (B, H) (random).
 ALIBI_KINDS = ("h", "bh")
@@ -466,6 +469,18 @@ def draw_sorted_ids(rng, batch: int, length: int, max_runs: int = 6) -> np.ndarr
     return np.stack(rows).astype(np.int32) if rows else np.zeros((0, length), np.int32)
 
 
+def _restarting(rng, p: Problem, q_ids: np.ndarray, k_ids: np.ndarray) -> tuple:
+    """Batch row 0 replaced by one short sorted run of ids repeated: every 64 queries and, each id twice,
+    every 128 keys. The ids are sorted within those blocks (the mask's pre-pass tiles are 16 .. 128 rows, so
+    every descent falls on a tile edge), not across them: the kernels must notice (block_lists.cu's
+    sortedness test) and keep reading ids there, while the other rows stay sorted."""
+    if p.B:
+        base = draw_sorted_ids(rng, 1, 64)[0]
+        q_ids[0] = base[np.arange(p.Sq) % 64]
+        k_ids[0] = base[(np.arange(p.Sk) % 128) // 2]
+    return q_ids, k_ids
+
+
 def draw_segment_ids(rng, p: Problem) -> tuple:
     """int32 (q_ids (B, Sq), k_ids (B, Sk)) drawn as SEGMENT_KINDS[p.segments] says."""
     if p.segments == "random":
@@ -477,6 +492,8 @@ def draw_segment_ids(rng, p: Problem) -> tuple:
         for b in range(p.B):
             start = int(rng.integers(0, p.Sq - run + 1))
             q_ids[b, start:start + run] = int(k_ids.max(initial=0)) + 1000  # an id no key has
+    if p.segments == "restart":
+        return _restarting(rng, p, q_ids, k_ids)
     return q_ids, k_ids
 
 
@@ -485,7 +502,8 @@ def draw_block_ids(rng, p: Problem) -> tuple:
     if p.blocks == "random":
         return (rng.integers(0, 5, (p.B, p.Sq)).astype(np.int32),
                 rng.integers(0, 5, (p.B, p.Sk)).astype(np.int32))
-    return _aligned(draw_sorted_ids(rng, p.B, max(p.Sq, p.Sk)), p)
+    q_ids, k_ids = _aligned(draw_sorted_ids(rng, p.B, max(p.Sq, p.Sk)), p)
+    return _restarting(rng, p, q_ids, k_ids) if p.blocks == "restart" else (q_ids, k_ids)
 
 
 def option_kwargs(p: Problem, x: Inputs) -> dict:

@@ -223,6 +223,37 @@ def test_options(p):
 
 
 # --------------------------------------------------------------------------------------------
+# Sorted ids (the kernels test each row's range of keys) and unsorted ones (they read the ids)
+# --------------------------------------------------------------------------------------------
+
+#: Where the pre-pass finds a batch row's ids sorted, the partial tiles compare each score against its row's
+#: (or key's) range; elsewhere they read the ids. "restart" ids are sorted inside every 64-query / 128-key
+#: block but not across (batch row 0 only): a missed descent would show as keys seen or hidden wrongly.
+#: Past 256 rows, so the lists have several blocks and the descents fall on their edges; Sq != Sk both ways.
+ID_RANGE_PROBLEMS = (
+    Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, segments="restart", causal=True),
+    Problem("fp16", B=2, Sq=333, Sk=300, H=4, Hkv=1, D=64, blocks="restart", window=(70, None), dlse=True),
+    Problem("fp32", B=2, Sq=257, Sk=390, H=2, Hkv=2, D=128, segments="restart", blocks="restart"),
+    Problem("bf16", B=2, Sq=300, Sk=270, H=2, Hkv=2, D=96, segments="restart", deterministic=True),
+    Problem("bf16", B=3, Sq=520, Sk=520, H=4, Hkv=4, D=128, segments="docs", causal=True, deterministic=True),
+    Problem("bf16", B=2, Sq=400, Sk=700, H=4, Hkv=2, D=64, segments="docs", blocks="blocks", window=(100, 30)),
+    Problem("fp16", B=2, Sq=700, Sk=400, H=2, Hkv=1, D=256, blocks="blocks", causal=True, dlse=True),
+    Problem("bf16", B=1, Sq=600, Sk=900, H=4, Hkv=2, D=128, window=(200, 0), softcap=3.0),
+)
+
+
+@pytest.mark.parametrize("p", ID_RANGE_PROBLEMS, ids=gu.problem_ids(ID_RANGE_PROBLEMS))
+def test_sorted_and_unsorted_ids(p):
+    x = gu.make_inputs(p)
+    if "restart" in (p.segments, p.blocks):  # the premise: row 0's ids descend, row 1's do not
+        for ids in (x.segment_ids, x.block_ids):
+            if ids is not None:
+                steps = [cupy.diff(side, axis=1) for side in ids]
+                assert all(bool((d[0] < 0).any()) and not bool((d[1] < 0).any()) for d in steps)
+    gu.check_attention(p, inputs=x)
+
+
+# --------------------------------------------------------------------------------------------
 # Rows (and keys) with nothing visible
 # --------------------------------------------------------------------------------------------
 

@@ -226,12 +226,33 @@ def test_forward_lists_carry_the_tile_queue_counter():
     key-block lists (dK / dV) do not."""
     from cuflash.kernels import block_lists
 
-    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 128, 128, False, heads=2)
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 128, 128, False, heads=2, id_ranges=False)
     rows, stride = dict(fields)["kv_blocks_rows"], dict(fields)["kv_blocks_stride"]
     assert field == "kv_blocks" and (rows, stride) == (3, 5)
     assert shape == (3 * 2 * rows * stride + 1,)
-    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2)
+    _, (field, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2, id_ranges=False)
     assert field == "q_blocks" and shape == (3 * 2 * dict(fields)["q_blocks_rows"] * dict(fields)["q_blocks_stride"],)
+
+
+def test_batched_lists_carry_the_id_ranges():
+    """In the batched layout each list buffer ends with the id ranges (params.cuh IdRanges): B flags, one int of
+    alignment slack, then an int pair per outer row (query rows for kv_blocks, keys for q_blocks). Packed
+    sequences (no ids) carry none."""
+    from cuflash.kernels import block_lists
+
+    _, (_, shape), fields = block_lists.lists_for(3, 300, 500, 128, 128, False, heads=2)
+    lists = 3 * 2 * dict(fields)["kv_blocks_rows"] * dict(fields)["kv_blocks_stride"]
+    assert shape == (lists + 1 + 3 + 1 + 2 * 3 * 300,)
+    _, (_, shape), fields = block_lists.lists_for(3, 300, 500, 64, 128, True, heads=2)
+    lists = 3 * 2 * dict(fields)["q_blocks_rows"] * dict(fields)["q_blocks_stride"]
+    assert shape == (lists + 3 + 1 + 2 * 3 * 500,)
+    for packed, extra in ((False, 3 + 1 + 2 * 3 * 300), (True, 0)):
+        shape = ProblemShape(3, 300, 500, 4, 4, 128, 128, "bfloat16", False, general_mask=True, packed=packed,
+                             total_q=900, total_k=1500)
+        plan = kernels.plan_forward(shape, 90)
+        size = dict(plan.scratch)["kv_blocks"][0]
+        rows, stride = dict(plan.fields)["kv_blocks_rows"], dict(plan.fields)["kv_blocks_stride"]
+        assert size == 3 * rows * stride + 1 + extra, packed
 
 
 @pytest.mark.parametrize("mask_kw", ({}, {"general_mask": True}), ids=("analytic", "general"))

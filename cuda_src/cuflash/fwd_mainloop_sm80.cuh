@@ -54,8 +54,9 @@ struct FwdConfig {
     // the KV cache's decoding blocks, whose few rows fill one warp of four (cuflash/kvcache.cuh). The mask
     // then has `rows`. Off here: a forward block's warps all have rows but in its last block.
     static constexpr bool kSkipIdleWarps = false;
-    // Ids by rows up to D128 (the warp-specialized tiles: 2x on 8 causal documents, session 11); the D256
-    // wgmma tile went from 228 to 255 registers with it and its forward 6% slower on tiles it never masks.
+    // The ranged mask forms up to D128 (they replaced reading ids by rows, which gave the warp-specialized
+    // tiles 2x on 8 causal documents in session 11); the D256 wgmma tile went from 228 to 255 registers with
+    // ids by rows and its forward 6% slower on tiles it never masks, so it keeps the per-element form.
     using Mask = MaskOf<kMask, (kHeadDim <= 128)>;
     using Dropout = DropoutOf<mask_has_dropout(kMask)>;
     using Blocks = KeyBlocksOf<kMask, kBlockM, kBlockN>;

@@ -123,10 +123,11 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
 // say which blocks need the per-element test; needs_mask itself answers "maybe" everywhere.
 // kBool: the variant that also reads a bool mask (kGeneralBoolMask); without it the per-element test has no
 // mask term at all (the dK/dV kernels' registers are tight: an unused runtime branch on it spilled).
-// kByRows: the apply forms read each id once per row and once per column (apply_by_rows, apply_transposed
-// below) instead of per element; MaskOf turns it off with a bool mask or dropout, whose variants spilled with it.
-template <bool kBool, bool kByRows = !kBool>
-struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kByRows>> {
+// kRanged: the tile forms (apply, apply_transposed) test each row's range of keys (each key's range of
+// queries) where the ids are sorted or absent (IdRanges in params.cuh, written by the pre-pass), instead of
+// the ids; MaskOf turns it off with a bool mask or dropout, whose variants spilled with it.
+template <bool kBool, bool kRanged = !kBool>
+struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
     // may be repeated after every barrier or asm fence); the id and list pointers are read from the
     // parameter block where used, since only the variants with ids need them.
@@ -167,17 +168,20 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kByRows>> {
     }
     __device__ __forceinline__ bool needs_mask(int, int, int, int) const { return true; }
 
-    // The C-fragment form: each id is read once per row and once per column, not twice per element. The
-    // generic per-element form issued two id loads per element, all hoisted ahead of the tests (D64 128 x 128
-    // mma.sync, sm_90a: 412 bytes of spill against 88), and on the warp-specialized forward's partial tiles
-    // (m64n128: 64 scores, 2 rows and 32 columns a thread) the 128 loads a tile left the consumers waiting on
-    // L1 (H100, 8 causal documents B4 S4k H16 D128: the forward kernel took 508 us, as long as plain causal,
-    // for a quarter of its tiles; ncu: 38% of the stalls on L1TEX).
-    // Without kByRows and with one m-tile per warp (the wgmma forwards, the dQ kernel) the per-element form
-    // stays: with a bool mask or dropout, reading by rows took 4-120 more bytes of spill there (ptxas 13.0).
+    // The C-fragment form. Sorted ids (and no ids: a window is a range per row too) take the ranged form:
+    // each row's [lo, hi) of keys, two compares per score (the ids' form read 32 column ids a thread and
+    // tile, tested six ways each: 40% of the warp-specialized forward's consumer samples on 8 causal
+    // documents, H200). Unsorted ids are read per element with one m-tile per warp (the wgmma forwards, the
+    // dQ kernel; reading them by rows beside the ranged form spilled the dK/dV consumers, ptxas 13.0), and
+    // by rows with several (mma.sync: the per-element form's loads, all hoisted ahead of the tests, spilled
+    // 412 bytes against 88 at D64 128 x 128, and 28-40 more next to the ranged form).
+    // Without kRanged (a bool mask or dropout) the ranged form is left out: beside it those variants spilled
+    // 4-12 bytes more (sm_80, ptxas 13.0).
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
-        if constexpr (kMTiles == 1 && !kByRows) {
+        if (kRanged && ranged(kv_id_ranges(p))) {
+            apply_ranged(acc, row0, col0);
+        } else if constexpr (kMTiles == 1) {
             for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
                 if (!visible_ranges(row, col)) x = -INFINITY;
             });
@@ -192,48 +196,101 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kByRows>> {
     }
 
     // The transposed form (the dK/dV kernels' S^T: a thread's 2 keys as rows, kNTiles x 2 queries as
-    // columns), the ids read the same way: the two keys' once, each query's once. Queries >= rows_valid are
-    // hidden too (MaskTiles::apply_transposed). Without kByRows the per-element form stays (this one spilled
-    // 16-470 bytes in the bool-mask dK/dV variants, ptxas 13.0).
+    // columns): ranged as above, per key its [lo, hi) of queries, else per element. Queries >= rows_valid are hidden too (MaskTiles::apply_transposed).
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
                                                      int rows_valid) const {
-        if constexpr (!kByRows) {
-            MaskTiles<GeneralMaskOf<kBool, kByRows>>::apply_transposed(acc, key_row, query_col, rows_valid);
-            return;
+        if (kRanged && ranged(q_id_ranges(p))) {
+            apply_transposed_ranged(acc, key_row, query_col, rows_valid);
+        } else {
+            MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed(acc, key_row, query_col, rows_valid);
         }
-        const bool seg = has_seg, blk = has_blk;
-        int k_seg[2], k_blk[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = key_row + half * 8;
-            const bool ok = key < seqlen_k;  // a key past Sk: hidden below whatever its ids
-            k_seg[half] = seg && ok ? __ldg(p.k_segment_ids + b * p.k_segment_batch_stride + key) : 0;
-            k_blk[half] = blk && ok ? __ldg(p.k_block_ids + b * p.k_block_batch_stride + key) : 0;
+    }
+
+  private:
+    // Whether the tile forms can test ranges instead of ids: always without ids (the window alone is a range
+    // per row), and with ids where the pre-pass found them sorted in this batch (IdRanges, params.cuh).
+    // Uniform across the CTA.
+    __device__ __forceinline__ bool ranged(const IdRanges& r) const {
+        return !(has_seg || has_blk) || __ldg(r.flags + b) != 0;
+    }
+
+    // The keys query row `row` sees form one range [lo, hi): its ids' range (when given) cut by the window
+    // and the end of the keys; empty for a row past Sq. (64-bit window arithmetic: window_left / right may
+    // be 1 << 30, "unbounded".)
+    __device__ __forceinline__ int2 row_keys(const IdRanges& r, int row) const {
+        if (row >= seqlen_q) return make_int2(0, 0);
+        int lo = 0, hi = seqlen_k;
+        if (has_seg || has_blk) {
+            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * p.seqlen_q + row);
+            lo = ids.x, hi = min(hi, ids.y);
         }
+        const long long diag = static_cast<long long>(row) + causal_offset;  // key j has j - row - offset = 0
+        lo = static_cast<int>(max(static_cast<long long>(lo), diag - window_left));
+        hi = static_cast<int>(min(static_cast<long long>(hi), diag + window_right + 1));
+        return make_int2(lo, max(lo, hi));
+    }
+    // The queries key `key` is seen by, [lo, hi), the same way (and below rows_valid).
+    __device__ __forceinline__ int2 key_queries(const IdRanges& r, int key, int rows_valid) const {
+        if (key >= seqlen_k) return make_int2(0, 0);
+        int lo = 0, hi = min(seqlen_q, rows_valid);
+        if (has_seg || has_blk) {
+            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * p.seqlen_k + key);
+            lo = ids.x, hi = min(hi, ids.y);
+        }
+        const long long diag = static_cast<long long>(key) - causal_offset;  // query i has key - i - offset = 0
+        lo = static_cast<int>(max(static_cast<long long>(lo), diag - window_right));
+        hi = static_cast<int>(min(static_cast<long long>(hi), diag + window_left + 1));
+        return make_int2(lo, max(lo, hi));
+    }
+
+    // The ranged C-fragment form: per row its [lo, hi) moved to the thread's first column, then two compares
+    // against a constant per score.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_ranged(float (&acc)[kMTiles][kNTiles][4], int row0,
+                                                         int col0) const {
+        const int lane = threadIdx.x % 32;
+        const IdRanges r = kv_id_ranges(p);
+        const int col_base = col0 + (lane % 4) * 2;
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
+        for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int query = query_col + nt * 8 + c;
-                const bool q_ok = (query < rows_valid) & (query < seqlen_q);
-                int q_seg = 0, q_blk = 0;  // loaded under branches, so they are not all hoisted ahead
-                if (seg && q_ok) q_seg = __ldg(p.q_segment_ids + b * p.q_segment_batch_stride + query);
-                if (blk && q_ok) q_blk = __ldg(p.q_block_ids + b * p.q_block_batch_stride + query);
+            for (int half = 0; half < 2; ++half) {
+                const int2 keys = row_keys(r, row0 + mt * 16 + lane / 4 + half * 8);
+                const int lo = keys.x - col_base, hi = keys.y - col_base;
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int key = key_row + half * 8;
-                    const int d = key - query - causal_offset;
-                    const bool ok = q_ok & (key < seqlen_k) & (d >= -window_left) & (d <= window_right) &
-                                    (q_seg == k_seg[half]) & (k_blk[half] <= q_blk);
-                    float& x = acc[nt][2 * half + c];
-                    x = ok ? x : -INFINITY;
+                for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int k = nt * 8 + c;
+                        float& x = acc[mt][nt][2 * half + c];
+                        x = (k >= lo) & (k < hi) ? x : -INFINITY;
+                    }
                 }
             }
         }
     }
 
-  private:
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed_ranged(float (&acc)[kNTiles][4], int key_row, int query_col,
+                                                            int rows_valid) const {
+        const IdRanges r = q_id_ranges(p);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int2 queries = key_queries(r, key_row + half * 8, rows_valid);
+            const int lo = queries.x - query_col, hi = queries.y - query_col;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int k = nt * 8 + c;
+                    float& x = acc[nt][2 * half + c];
+                    x = (k >= lo) & (k < hi) ? x : -INFINITY;
+                }
+            }
+        }
+    }
+
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply_by_rows(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         const int lane = threadIdx.x % 32;
@@ -292,12 +349,12 @@ using GeneralMask = GeneralMaskOf<false>;
 template <int kMask>
 using LayoutOf = LayoutTag<is_general_mask(kMask)>;
 
-// kIdsByRows: whether the general kinds without a bool mask or dropout read ids by rows (GeneralMaskOf's
-// kByRows); a kernel turns it off where it costs registers on every tile (FwdConfig, above D128).
-template <int kMask, bool kIdsByRows = true>
+// kRangedMask: whether the general kinds without a bool mask or dropout take the ranged tile forms
+// (GeneralMaskOf's kRanged); a kernel turns it off where it costs registers on every tile (FwdConfig, above D128).
+template <int kMask, bool kRangedMask = true>
 using MaskOf = conditional_t<is_general_mask(kMask),
                              GeneralMaskOf<mask_has_bool(kMask),
-                                           kIdsByRows && !mask_has_bool(kMask) && !mask_has_dropout(kMask)>,
+                                           kRangedMask && !mask_has_bool(kMask) && !mask_has_dropout(kMask)>,
                              AttnMask<kMask == kCausalMask>>;
 
 }  // namespace cuflash

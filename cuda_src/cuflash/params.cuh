@@ -146,6 +146,35 @@ __device__ __forceinline__ int* fwd_tile_counter(const AttnParams& p) {
     return p.kv_blocks + static_cast<long long>(p.batch) * p.mask_heads * p.kv_blocks_rows * p.kv_blocks_stride;
 }
 
+// The id ranges the general mask's pre-pass writes after a list buffer's rows (batched layout only; the
+// packed one has no ids): first `batch` ints, one flag per batch (1: the ids the lists' inner blocks index,
+// k's for kv_blocks and q's for q_blocks, are nondecreasing in that batch row), then, from the next even int,
+// an int2 per outer row (b * S + i, S = seqlen_q for kv_blocks, seqlen_k for q_blocks): the half-open range of
+// inner rows whose ids let outer row i see them, written only where the flag is 1 (block_lists.cu,
+// cuflash/kernels/block_lists.py sizes the buffer). With sorted ids, "q_seg[i] == k_seg[j]" and "k_blk[j] <=
+// q_blk[i]" hold on one interval of j (and of i for a fixed j), so the mask tests two bounds per score
+// instead of reading ids (GeneralMaskOf).
+struct IdRanges {
+    const int* flags;
+    const int2* ranges;
+};
+__device__ __forceinline__ IdRanges id_ranges(const int* lists_end, int batch) {
+    const int* flags = lists_end;
+    // Even offset from the buffer's start: its lists and counter hold an even or odd count of ints, so
+    // align the address itself (the allocation is 256-byte aligned and the host sizes one int of slack).
+    const unsigned long long after = reinterpret_cast<unsigned long long>(flags + batch);
+    return {flags, reinterpret_cast<const int2*>((after + 7ull) & ~7ull)};
+}
+// kv_blocks' ranges (per query row: keys), after its rows and the forward's tile counter.
+__device__ __forceinline__ IdRanges kv_id_ranges(const AttnParams& p) {
+    return id_ranges(fwd_tile_counter(p) + 1, p.batch);
+}
+// q_blocks' ranges (per key: queries), after its rows.
+__device__ __forceinline__ IdRanges q_id_ranges(const AttnParams& p) {
+    return id_ranges(p.q_blocks + static_cast<long long>(p.batch) * p.mask_heads * p.q_blocks_rows * p.q_blocks_stride,
+                     p.batch);
+}
+
 #ifdef CUFLASH_PARAMS_BYTES
 static_assert(sizeof(AttnParams) == CUFLASH_PARAMS_BYTES,
               "AttnParams and its numpy mirror in cuflash/params.py disagree");

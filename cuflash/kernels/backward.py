@@ -597,7 +597,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     def add_lists(kernel: KernelVariant, transposed: bool) -> None:
         """The general mask's pre-pass for ``kernel``'s tile, before it."""
         pre, lists, list_fields = block_lists.lists_for(b, sq, sk, kernel.config.block_m, kernel.config.block_n,
-                                                        transposed, shape.mask_heads)
+                                                        transposed, shape.mask_heads, not shape.packed)
         launches.append(pre)
         scratch.append(lists)
         fields.extend(list_fields)

@@ -9,6 +9,12 @@ each attention launch that needs them is preceded by one pre-pass launch with th
 ``(B, mask heads, outer blocks, inner blocks + 1)``, rows ``[count, entries...]``; ``mask heads`` is 1
 unless a bool mask differs per head (``ProblemShape.mask_heads``). The query-block lists (not transposed) carry
 one more int after the rows, the warp-specialized forward's tile counter, which the pre-pass zeroes.
+
+In the batched layout the buffer then holds the id ranges (``IdRanges`` in ``cuda_src/cuflash/params.cuh``):
+``B`` flags (the inner side's segment / block ids sorted in that batch row), one int of alignment slack, and
+an int pair per outer row, ``(B, S_outer)``: the half-open range of inner rows that outer row's ids let it
+see. With them a partial tile tests two bounds per score instead of reading ids. Packed sequences take no
+ids, so no ranges.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, transposed: bool,
-              heads: int = 1):
-    """The pre-pass for a kernel with ``block_m`` queries x ``block_n`` keys per tile.
+              heads: int = 1, id_ranges: bool = True):
+    """The pre-pass for a kernel with ``block_m`` queries x ``block_n`` keys per tile; ``id_ranges``: room
+    for the id ranges after the lists (the batched layout; packed sequences have no ids).
 
     Returns ``(launch, scratch entry, params fields)``: the launch to put before the kernel, the
     ``(field, shape)`` of its list buffer, and the ``AttnParams`` row count / stride fields.
@@ -55,6 +62,8 @@ def lists_for(batch: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: i
     # One int after the (batch, heads, outer blocks, inner blocks + 1) rows: the forward's tile counter
     # (flash_fwd.cu's FwdTileQueue; zeroed by this pre-pass, read only by the warp-specialized forward).
     size = batch * heads * max(n_outer, 1) * (n_inner + 1) + (0 if transposed else 1)
+    if id_ranges:  # flags, one int of slack for the pairs' 8-byte alignment, a pair per outer row
+        size += batch + 1 + 2 * batch * (seqlen_k if transposed else seqlen_q)
     scratch = (field, (size,))
     fields = ((f"{prefix}_rows", max(n_outer, 1)), (f"{prefix}_stride", n_inner + 1))
     return launch, scratch, fields

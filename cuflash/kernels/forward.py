@@ -446,7 +446,7 @@ def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> 
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(v, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k, v.config.block_m,
-                                                   v.config.block_n, False, shape.mask_heads)
+                                                   v.config.block_n, False, shape.mask_heads, not shape.packed)
     return Plan(launches=(lists, Launch(v, grid)), scratch=(scratch,), fields=fields)
 
 

@@ -172,7 +172,7 @@ def plan_forward(shape: ProblemShape, arch: int, num_sms: int | None = None) -> 
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(variant, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k,
-                                                   variant.config.block_m, variant.config.block_n, False, shape.mask_heads)
+                                                   variant.config.block_m, variant.config.block_n, False, shape.mask_heads, not shape.packed)
     return Plan(launches=(lists, Launch(variant, grid)), scratch=(scratch,), fields=fields)
 
 
@@ -196,7 +196,7 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     if general:  # the query blocks of each key block (dK/dV), the key blocks of each query block (dQ)
         for kernel, transposed in ((dkdv, True), (dq, False)):
             pre, lists, list_fields = block_lists.lists_for(b, sq, sk, kernel.config.block_m, kernel.config.block_n,
-                                                            transposed, shape.mask_heads)
+                                                            transposed, shape.mask_heads, not shape.packed)
             launches.append(pre)
             scratch.append(lists)
             fields += list_fields
