@@ -172,7 +172,8 @@ def plan_forward(shape: ProblemShape, arch: int, num_sms: int | None = None) -> 
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(variant, grid),))
     lists, scratch, fields = block_lists.lists_for(shape.batch, shape.seqlen_q, shape.seqlen_k,
-                                                   variant.config.block_m, variant.config.block_n, False, shape.mask_heads, not shape.packed)
+                                                   variant.config.block_m, variant.config.block_n, False,
+                                                   shape.mask_heads, not shape.packed)
     return Plan(launches=(lists, Launch(variant, grid)), scratch=(scratch,), fields=fields)
 
 
