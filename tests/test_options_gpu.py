@@ -7,6 +7,8 @@ NaN-poisoned buffers).
   ...) plus everything at once, x fp16 / bf16 / fp32, over odd shapes (Sq, Sk not multiples of 64,
   Sq != Sk both ways, GQA 6/2, MQA, head dims 40 .. 256, Dv != D once), some with dlse and some
   deterministic; two cases at ~1000 tokens.
+- Sorted ids (the kernels test each row's range of keys) against ids sorted only within 64-query / 128-key
+  blocks of one batch row (the pre-pass must see the descents and keep reading ids there), past 256 rows.
 - Rows with nothing visible (ids found only in q, a zero-width window with Sq > Sk, block ids below
   every key's, ids that never match): out exactly 0, lse -inf, dq 0, dk = dv = 0 for keys nobody sees,
   never NaN, with dlse too.
