@@ -239,7 +239,8 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
         const IdRanges out = kTransposed ? q_id_ranges(params) : kv_id_ranges(params);
         if (outer == 0 && threadIdx.x == 0) const_cast<int*>(out.flags)[b] = sorted ? 1 : 0;
         if (sorted) {
-            int2* ranges = const_cast<int2*>(out.ranges) + static_cast<long long>(b) * (kTransposed ? params.seqlen_k : params.seqlen_q);
+            const int outer_rows = kTransposed ? params.seqlen_k : params.seqlen_q;  // batched: every batch's
+            int2* ranges = const_cast<int2*>(out.ranges) + static_cast<long long>(b) * outer_rows;
             for (int r = o0 + static_cast<int>(threadIdx.x); r < o1; r += kListThreads) {
                 int lo = 0, hi = inner_len;
                 if (outer_seg != nullptr) {  // the run of inner rows with the same id

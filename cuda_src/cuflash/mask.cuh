@@ -196,7 +196,8 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     }
 
     // The transposed form (the dK/dV kernels' S^T: a thread's 2 keys as rows, kNTiles x 2 queries as
-    // columns): ranged as above, per key its [lo, hi) of queries, else per element. Queries >= rows_valid are hidden too (MaskTiles::apply_transposed).
+    // columns): ranged as above, per key its [lo, hi) of queries, else per element. Queries >= rows_valid
+    // are hidden too (MaskTiles::apply_transposed).
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed(float (&acc)[kNTiles][4], int key_row, int query_col,
                                                      int rows_valid) const {
@@ -247,8 +248,7 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // The ranged C-fragment form: per row its [lo, hi) moved to the thread's first column, then two compares
     // against a constant per score.
     template <int kMTiles, int kNTiles>
-    __device__ __forceinline__ void apply_ranged(float (&acc)[kMTiles][kNTiles][4], int row0,
-                                                         int col0) const {
+    __device__ __forceinline__ void apply_ranged(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         const int lane = threadIdx.x % 32;
         const IdRanges r = kv_id_ranges(p);
         const int col_base = col0 + (lane % 4) * 2;
