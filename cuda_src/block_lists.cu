@@ -17,8 +17,8 @@
 //
 // With segment or block ids, the lists' buffer then takes the id ranges (IdRanges, cuflash/params.cuh): the
 // scan of the inner ids above also tests that they never decrease (within each inner block and across to the
-// next), and where they do not, each outer row's range of inner rows its ids let it see comes from two binary
-// searches (sorted ids make "equal segment" and "k block <= q block" one interval). The partial tiles then
+// next), and in a batch row where they never do, each outer row's range of inner rows its ids let it see comes
+// from two binary searches (sorted ids make "equal segment" and "k block <= q block" one interval). The partial tiles then
 // compare positions against that range instead of reading ids (GeneralMaskOf's ranged forms).
 
 #include "cuflash/params.cuh"
