@@ -165,11 +165,12 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     clear(acc_dk);
     if constexpr (Mainloop::kWarpSpecialized) {
         Mainloop::consume(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
+        Mainloop::release_kv();
     } else {
         Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
     }
     if constexpr (Cfg::Dropout::kEnabled) scale_tile(acc_dv, Cfg::Dropout::rp(params));  // kept p / (1 - dropout_p)
-    DkdvEpilogue<Cfg, Mainloop>::store(params, b, group, heads, n_block, acc_dk, acc_dv);
+    DkdvEpilogue<Cfg, Mainloop>::store(params, b, group, heads, n_block, acc_dk, acc_dv, smem);
 }
 
 // ---------------------------------------------------------------------------------------------------

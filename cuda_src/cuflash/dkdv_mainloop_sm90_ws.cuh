@@ -63,6 +63,7 @@ struct DkdvMainloopSm90Ws {
     static constexpr int kProducerRegisters = (168 * 384 - kConsumerRegisters * 256) / 128;
     static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
     static constexpr int kDsBarrier = 1;  // named barrier: the consumers' dS^T tiles of a step written
+    static constexpr int kKvFreeBarrier = 2;  // named barrier: the consumers' last reads of K / V done
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
     static constexpr int kStages = 2;  // DkdvConfig's Q / dO / lse / D stages
     static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
@@ -447,6 +448,11 @@ struct DkdvMainloopSm90Ws {
             DqStep::template add<2>(acc_dq, r, dq_rows);
         }
     }
+
+    // After consume: every consumer is done with K and V (its last GEMMs completed), so the epilogue may
+    // stage dK / dV over them (DkdvEpilogue, store_c_rows_staged). The producer never touches them after
+    // its first loads.
+    static __device__ __forceinline__ void release_kv() { sm90::named_barrier_sync(kKvFreeBarrier, kConsumerThreads); }
 
     // The warp's dS^T fragments (its 16 keys x kBlockM queries, wgmma's A layout) into the [query][key] dS
     // tile, transposed by stmatrix: per 16 queries, lane l addresses query row l % 8 (+ 8 for l >= 16) of the

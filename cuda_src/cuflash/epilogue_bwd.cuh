@@ -1,7 +1,8 @@
 // Backward epilogues, for every backward mainloop:
 //   DkdvEpilogue   dK (scaled) and dV of a key block from the C-fragment layout of DkdvRole, under one of
 //                  two store policies: DirectStore (bshd Elem gradients: MHA; 16-byte stores after a quad
-//                  shuffle, store_c_rows_wide) or PartialStore (fp32 per-query-head partials, (B, H, Sk,
+//                  shuffle, store_c_rows_wide, or through the freed K / V tiles after the warp-specialized
+//                  mainloop, store_c_rows_staged) or PartialStore (fp32 per-query-head partials, (B, H, Sk,
 //                  kHeadDim) contiguous, summed per GQA group by reduce_dkdv_rows in a fixed order);
 //   DqEpilogue     dQ (scaled) of the deterministic dQ kernel, from registers (store_c_rows_wide);
 //   convert_dq_rows  dq = scale * dq_accum (the atomic dQ path's last step).
@@ -10,6 +11,7 @@
 
 #include "cuflash/bwd_config.cuh"
 #include "cuflash/seqlen.cuh"
+#include "cuflash/wgmma_sm90.cuh"
 
 namespace cuflash {
 
@@ -59,6 +61,53 @@ __device__ __forceinline__ void store_c_rows_wide(Elem* base, long long stride, 
     }
 }
 
+// The same rows through shared memory, for a kernel with a free Tile at its end (the warp-specialized dK/dV
+// kernel's K / V tiles): stmatrix puts the warp's 16 rows (from warp_row0 within the tile) x its n-tiles
+// into their own 16-byte slots of the swizzled Tile, whose slots no other warp touches, then the warp reads
+// them back in row order and stores 16 contiguous bytes a lane, whole rows per instruction. No shuffles or
+// lane selects: ncu of the 8-document dK/dV kernel (H200, session 24) put 13% of its stall samples in
+// store_c_rows_wide, 256 SELs and 48 SHFLs a warp waiting on each other, in CTAs of a few steps each.
+template <typename Tile, typename Elem, int kNT, typename ColOf>
+__device__ __forceinline__ void store_c_rows_staged(unsigned tile, Elem* base, long long stride, int cols,
+                                                    int rows_end, int block_row0, int warp_row0, int lane,
+                                                    const float (&acc)[kNT][4], float scale, ColOf col_of) {
+    static_assert(kNT % 2 == 0 && sizeof(Elem) == 2 && (16 * kNT) % 32 == 0, "16-bit n-tiles in adjacent pairs");
+    const int matrix = lane >> 3;  // stmatrix: lane l addresses row l % 8 of matrix l / 8
+    const int store_row = warp_row0 + (lane & 7) + 8 * (matrix & 1);
+#pragma unroll
+    for (int p = 0; p < kNT / 2; ++p) {
+        // Matrix i: rows 0-7 (i even) or 8-15 of n-tile 2p + i / 2, the C fragment's elements (0, 1) / (2, 3).
+        unsigned v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = ElemTraits<Elem>::pack2(acc[2 * p + i / 2][2 * (i & 1)] * scale,
+                                           acc[2 * p + i / 2][2 * (i & 1) + 1] * scale);
+        }
+        sm90::stmatrix_x4(tile + Tile::chunk_offset(store_row, col_of(2 * p + (matrix >> 1)) >> 3), v);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 16 * kNT / 32; ++it) {
+        const int idx = it * 32 + lane;
+        const int r = idx / kNT;
+        const int col = col_of(idx % kNT);
+        const uint4 w = ld_shared_b128(tile + Tile::chunk_offset(warp_row0 + r, col >> 3));
+        const int row = block_row0 + warp_row0 + r;
+        if (row < rows_end && col < cols) {
+            Elem* dst = base + row * stride + col;
+            if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+                *reinterpret_cast<uint4*>(dst) = w;
+            } else {
+                unsigned* d = reinterpret_cast<unsigned*>(dst);
+                d[0] = w.x;
+                d[1] = w.y;
+                d[2] = w.z;
+                d[3] = w.w;
+            }
+        }
+    }
+}
+
 // Where dK / dV rows go straight into the Elem outputs (stored by store_c_rows_wide).
 template <typename Elem>
 struct DirectStore {
@@ -90,18 +139,30 @@ struct DkdvEpilogue {
 
     // The sums over query heads [group * heads, + heads) (one kv head's, or part of them). Also runs when
     // no query sees this key block: the gradients are then 0.
+    // smem: the kernel's shared memory; with a warp-specialized mainloop every consumer has passed
+    // Mainloop::release_kv, so the K / V tiles stage dK / dV (store_c_rows_staged).
     static __device__ __forceinline__ void store(const AttnParams& params, int b, int group, int heads,
                                                  int n_block, const float (&acc_dk)[kDTiles][4],
-                                                 const float (&acc_dv)[kDTiles][4]) {
+                                                 const float (&acc_dv)[kDTiles][4], unsigned smem) {
         const typename Mainloop::Role r(opaque(Mainloop::thread_index()));
         const SeqInfo seq(params, b, opaque(group) * heads, LayoutOf<Cfg::kMask>());
         const int row_lo = n_block * Cfg::kBlockN + r.key_row0 + r.g;
         if (params.dk_accum == nullptr) {  // the whole kv group: dK / dV themselves
             const DirectStore<typename Cfg::Elem> out(params, seq);
             const auto col_of = [&](int nt) { return Mainloop::col0(nt, r.d_split); };
-            store_c_rows_wide(out.dk, out.dk_stride, params.head_dim, seq.seqlen_k, row_lo, r.t, acc_dk, params.scale,
-                              col_of);
-            store_c_rows_wide(out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k, row_lo, r.t, acc_dv, 1.f, col_of);
+            if constexpr (Mainloop::kWarpSpecialized) {
+                using Tile = typename Cfg::TileK;
+                const int block_row0 = n_block * Cfg::kBlockN;
+                store_c_rows_staged<Tile>(smem + Cfg::kOffK, out.dk, out.dk_stride, params.head_dim, seq.seqlen_k,
+                                          block_row0, r.key_row0, r.lane, acc_dk, params.scale, col_of);
+                store_c_rows_staged<Tile>(smem + Cfg::kOffV, out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k,
+                                          block_row0, r.key_row0, r.lane, acc_dv, 1.f, col_of);
+            } else {
+                store_c_rows_wide(out.dk, out.dk_stride, params.head_dim, seq.seqlen_k, row_lo, r.t, acc_dk,
+                                  params.scale, col_of);
+                store_c_rows_wide(out.dv, out.dv_stride, params.head_dim_v, seq.seqlen_k, row_lo, r.t, acc_dv, 1.f,
+                                  col_of);
+            }
         } else {
             const PartialStore<Cfg::kHeadDim> out(params, seq, group);
             store_rows(out, params, seq, r, row_lo, acc_dk, acc_dv);

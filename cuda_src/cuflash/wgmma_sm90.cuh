@@ -99,6 +99,13 @@ __device__ __forceinline__ void fence_proxy_async() {
     CUFLASH_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Four 8 x 8 16-bit matrices (stmatrix): register i of lane (g, t) holds elements (g, 2t), (g, 2t + 1) of
+// matrix i; lane l gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes).
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    CUFLASH_SM90A_ASM("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                      "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // Four 8 x 8 16-bit matrices stored transposed (stmatrix .trans): register i of lane (g, t) holds elements
 // (g, 2t), (g, 2t + 1) of matrix i, which land in row 2t, 2t + 1, column g of the stored matrix; lane l gives
 // the address of stored row l % 8 of matrix l / 8 (16 contiguous bytes).
