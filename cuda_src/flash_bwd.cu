@@ -171,7 +171,7 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     clear(acc_dk);
     if constexpr (Mainloop::kWarpSpecialized) {
         Mainloop::consume(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
-        Mainloop::release_kv();
+        if (params.dk_accum == nullptr) Mainloop::release_kv();  // only the staged stores need K / V free
     } else {
         Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
     }
