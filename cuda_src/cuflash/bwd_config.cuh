@@ -32,10 +32,11 @@ constexpr int kDqAccumBlockRows = 128;
 // longest first across the chunk's heads: the model's makespan within 0.3-1.5% of ideal at S1k-S16k. A chunk
 // holds about 16 MB of Q and dO (its heads' shared L2 working set). Not for the ordered dQ adds, whose waits
 // rely on the dispatch order (dq_order.cuh). The warp-specialized dK/dV kernel only.
+// query_rows: the rows of Q / dO one (head group, batch) pair reads, Sq times its query heads.
 template <int kHeadDim>
-__device__ __forceinline__ void causal_grid_order(int seqlen_q, int& n_block, int& group, int& b) {
+__device__ __forceinline__ void causal_grid_order(int query_rows, int& n_block, int& group, int& b) {
     const int key_blocks = int(gridDim.x), groups = int(gridDim.y), pairs = groups * int(gridDim.z);
-    const long long per_head = static_cast<long long>(seqlen_q) * kHeadDim * 4;  // Q and dO, 16-bit
+    const long long per_head = static_cast<long long>(query_rows) * kHeadDim * 4;  // Q and dO, 16-bit
     const int chunk = static_cast<int>(max(1ll, min(static_cast<long long>(pairs), (16ll << 20) / max(per_head, 1ll))));
     const int linear = int(blockIdx.x) + key_blocks * (int(blockIdx.y) + groups * int(blockIdx.z));
     const int first = linear / (key_blocks * chunk) * chunk;  // the chunk's first (group, batch) pair
