@@ -140,10 +140,16 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     Mainloop::check_smem(smem);
 
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
-    int n_block = blockIdx.x;
-    if constexpr (Mainloop::kWarpSpecialized) n_block = Mainloop::key_block(params, n_block);
-    const int group = blockIdx.y, b = blockIdx.z;
+    int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
+    if constexpr (Mainloop::kWarpSpecialized) {
+        // Causal: longest first across heads, unless the dQ adds are ordered (the other mainloops keep the
+        // grid's order: the remap's registers spilled some mma.sync variants at 255, nvcc 13.0).
+        if (kMask == kCausalMask && !Mainloop::ordered_dq(params)) {
+            causal_grid_order<kHeadDim>(params.seqlen_q * heads, n_block, group, b);
+        }
+        n_block = Mainloop::key_block(params, n_block);
+    }
     const SeqInfo seq(params, b, group * heads, LayoutOf<kMask>());
     if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence (the grid covers the longest)
     const typename Cfg::Mask mask(params, seq);  // one head per block under the general mask
@@ -165,7 +171,7 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     clear(acc_dk);
     if constexpr (Mainloop::kWarpSpecialized) {
         Mainloop::consume(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
-        Mainloop::release_kv();
+        if (params.dk_accum == nullptr) Mainloop::release_kv();  // only the staged stores need K / V free
     } else {
         Mainloop::run(params, b, group * heads, heads, n_block, blocks, mask, smem, acc_dk, acc_dv);
     }

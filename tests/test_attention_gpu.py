@@ -113,6 +113,9 @@ def _long_problems():
     for d in (64, 256):
         for causal in (False, True):
             problems.append(Problem("fp32", B=1, Sq=2049, Sk=2049, H=8, Hkv=2, D=d, causal=causal))
+    # The causal dK/dV grid's order (causal_grid_order, bwd_config.cuh): 12 (head, batch) pairs in chunks of
+    # 7 (16 MB of Q and dO at 4100 x 128), so two chunks, the last one partial, over 33 key blocks.
+    problems.append(Problem("bf16", B=2, Sq=4100, Sk=4100, H=6, Hkv=3, D=128, causal=True))
     return problems
 
 

@@ -42,10 +42,20 @@ def test_reduce_blocks_cover_the_keys_with_a_chunk_per_thread(bucket):
     assert item.grid[0] * rows >= 777 > (item.grid[0] - 1) * rows and item.grid[1:] == (2, 1)
 
 
-@pytest.mark.parametrize("shape", [_shape(2, 1024, 8, 1, 256, causal=True), _shape(4, 4096, 32, 8, 128, causal=True)])
-def test_causal_keeps_one_head_per_block(shape):
-    # The causal triangle: merging heads lengthens the longest blocks (measured slower on the H100).
-    plan = backward.plan_backward(shape, 90, False, num_sms=132)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_causal_merges_heads_only_where_blocks_go_longest_first(deterministic):
+    # The causal triangle: merged heads lengthen the longest blocks. The warp-specialized kernel dispatches them
+    # longest first (causal_grid_order), so GQA 32/8 at S4k takes its whole group (the longest block, 4 x 64
+    # steps, stays under an SM's share, 1024); its ordered dQ adds (deterministic) keep the grid's order: one head.
+    plan = backward.plan_backward(_shape(4, 4096, 32, 8, 128, causal=True), 90, deterministic, num_sms=132)
+    assert dict(plan.fields)["dkdv_heads"] == (1 if deterministic else 4)
+    assert bool(_launch(plan, "flash_bwd_reduce_dkdv_kernel")) == deterministic
+    # The MQA shape: 16 key blocks of 16 steps at most, 2 x 8 heads; two heads would double the longest block
+    # (32 steps) past an SM's share (~16.5).
+    plan = backward.plan_backward(_shape(2, 1024, 8, 1, 256, causal=True), 90, deterministic, num_sms=132)
+    assert dict(plan.fields)["dkdv_heads"] == 1
+    # Without the warp-specialized kernel (sm_80): one head per block.
+    plan = backward.plan_backward(_shape(4, 4096, 32, 8, 128, causal=True), 80, deterministic, num_sms=108)
     assert dict(plan.fields)["dkdv_heads"] == 1
 
 

@@ -139,8 +139,8 @@ struct DkdvEpilogue {
 
     // The sums over query heads [group * heads, + heads) (one kv head's, or part of them). Also runs when
     // no query sees this key block: the gradients are then 0.
-    // smem: the kernel's shared memory; with a warp-specialized mainloop every consumer has passed
-    // Mainloop::release_kv, so the K / V tiles stage dK / dV (store_c_rows_staged).
+    // smem: the kernel's shared memory; with a warp-specialized mainloop and dK / dV themselves every consumer
+    // has passed Mainloop::release_kv, so the K / V tiles stage them (store_c_rows_staged).
     static __device__ __forceinline__ void store(const AttnParams& params, int b, int group, int heads,
                                                  int n_block, const float (&acc_dk)[kDTiles][4],
                                                  const float (&acc_dv)[kDTiles][4], unsigned smem) {

@@ -524,7 +524,7 @@ _SM_FLOPS = 2.5e12
 _PARTIAL_BYTES_PER_S = 2.5e12
 
 
-def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) -> int:
+def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, longest_first: bool = False) -> int:
     """Query heads one dK/dV block accumulates (a divisor of the GQA group size ``H / Hkv``).
 
     A block keeps its key block's dK / dV in registers across the query heads it walks, so G heads per
@@ -536,10 +536,16 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) ->
     heads lengthens the longest ones: one head per block. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
     H8 D256 full 187 / 208 / 140 / 83 (G = 2 picked), causal 107 / 110 / 71 / 42; GQA 32/8 B4 S4k D128 full
     386 / 398 / 410 (G = 4: no partials, no reduce), causal 340 / 323 / 329.
+
+    ``longest_first`` (causal, the warp-specialized kernel's grid order ``causal_grid_order`` in bwd_config.cuh):
+    the blocks are dispatched longest first, so the makespan is about the larger of all steps over the SMs and
+    the longest block's steps, and merged heads cost only where that block gets longer than an SM's share.
     """
     group = shape.num_heads // shape.num_heads_k
-    if group == 1 or shape.skips_blocks:
+    if group == 1 or (shape.skips_blocks and not (longest_first and shape.mask_kind == MASK_CAUSAL)):
         return 1
+    if shape.skips_blocks:
+        return _causal_dkdv_heads(shape, block_m, block_n, num_sms, group)
     key_blocks = _ceil_div(shape.seqlen_k, block_n)
     steps = _ceil_div(shape.seqlen_q, block_m)  # query blocks each block walks, per head
     step_s = 10.0 * block_m * block_n * shape.head_dim_bucket / _SM_FLOPS  # 5 GEMMs of 2 m n k FLOPs
@@ -550,6 +556,30 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int) ->
         blocks = key_blocks * (shape.num_heads // g) * shape.batch
         cost = _ceil_div(blocks, num_sms) * g * steps * step_s
         if g != group:  # fp32 dK and dV partials: written once, read once by the reduce
+            cost += 16.0 * shape.batch * (shape.num_heads // g) * shape.seqlen_k * shape.head_dim_bucket \
+                / _PARTIAL_BYTES_PER_S
+        if best_cost is None or cost <= best_cost * (1 + 1e-9):
+            best, best_cost = g, cost
+    return best
+
+
+def _causal_dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, group: int) -> int:
+    """:func:`dkdv_heads` under causal with longest-first blocks: per G, the makespan max(all steps / SMs, G x the
+    longest block's steps) plus, below the whole group, the partials' write-and-reduce traffic."""
+    num_m = _ceil_div(shape.seqlen_q, block_m)
+    offset = shape.seqlen_k - shape.seqlen_q  # bottom-right causal: query block m sees key block n if ...
+    steps = []
+    for n in range(_ceil_div(shape.seqlen_k, block_n)):
+        first_row = n * block_n - offset  # the first query row that sees key block n
+        steps.append(num_m - (0 if first_row <= 0 else min(num_m, first_row // block_m)))
+    per_head = sum(steps)
+    step_s = 10.0 * block_m * block_n * shape.head_dim_bucket / _SM_FLOPS
+    best, best_cost = 1, None
+    for g in range(1, group + 1):
+        if group % g:
+            continue
+        cost = max(per_head * shape.num_heads * shape.batch / num_sms, g * max(steps, default=0)) * step_s
+        if g != group:
             cost += 16.0 * shape.batch * (shape.num_heads // g) * shape.seqlen_k * shape.head_dim_bucket \
                 / _PARTIAL_BYTES_PER_S
         if best_cost is None or cost <= best_cost * (1 + 1e-9):
@@ -614,7 +644,9 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     if general:  # the query blocks of each key block
         add_lists(dkdv, True)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
-    heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms)
+    # Causal blocks go longest first on the warp-specialized kernel unless its dQ adds are ordered (flash_bwd.cu).
+    longest_first = dkdv.config.mainloop == MAINLOOP_SM90_WS and not ordered and not shape.packed
+    heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms, longest_first)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
     # dq = scale * dq_accum, read in the order the dK/dV kernel's adds wrote (stages_dq); after an atomic dK/dV
     # kernel or ordered adds.
