@@ -15,6 +15,21 @@
 
 namespace cuflash {
 
+// 16 bytes of a row (8 16-bit elements) to dst: one store where dst is 16-byte aligned, else four (a
+// caller's output view may start anywhere 4-byte aligned).
+template <typename Elem>
+__device__ __forceinline__ void store_chunk(Elem* dst, uint4 w) {
+    if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = w;
+    } else {
+        unsigned* d = reinterpret_cast<unsigned*>(dst);
+        d[0] = w.x;
+        d[1] = w.y;
+        d[2] = w.z;
+        d[3] = w.w;
+    }
+}
+
 // Rows of a C-fragment tile (the thread's rows row_lo and row_lo + 8, columns 2t, 2t + 1 of each 8-column
 // n-tile at col_of(nt)) times scale into Elem rows base[row * stride + col], with 16-byte stores; rows >=
 // rows_end and n-tiles at or past `cols` are not stored. Per pair of n-tiles (adjacent: col_of(2p + 1) =
@@ -50,13 +65,7 @@ __device__ __forceinline__ void store_c_rows_wide(Elem* base, long long stride, 
         }
         const int col = col_of(2 * p + (t & 1));
         if (row < rows_end && col < cols) {
-            Elem* dst = base + row * stride + col;
-            if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-            } else {
-#pragma unroll
-                for (int s = 0; s < 4; ++s) reinterpret_cast<unsigned*>(dst)[s] = w[s];
-            }
+            store_chunk(base + row * stride + col, make_uint4(w[0], w[1], w[2], w[3]));
         }
     }
 }
@@ -93,18 +102,7 @@ __device__ __forceinline__ void store_c_rows_staged(unsigned tile, Elem* base, l
         const int col = col_of(idx % kNT);
         const uint4 w = ld_shared_b128(tile + Tile::chunk_offset(warp_row0 + r, col >> 3));
         const int row = block_row0 + warp_row0 + r;
-        if (row < rows_end && col < cols) {
-            Elem* dst = base + row * stride + col;
-            if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
-                *reinterpret_cast<uint4*>(dst) = w;
-            } else {
-                unsigned* d = reinterpret_cast<unsigned*>(dst);
-                d[0] = w.x;
-                d[1] = w.y;
-                d[2] = w.z;
-                d[3] = w.w;
-            }
-        }
+        if (row < rows_end && col < cols) store_chunk(base + row * stride + col, w);
     }
 }
 
