@@ -533,7 +533,7 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, lo
     the same work, and the model is whole waves of blocks (``ceil(blocks / num_sms) * G`` steps of one
     block_m x block_n tile of the five GEMMs) plus the partials' write-and-reduce traffic; ties go to the
     larger G. With a causal (or general) mask blocks differ (the triangle, a sparse pattern) and merging
-    heads lengthens the longest ones: one head per block. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
+    heads lengthens the longest ones: one head per block, except as below. Measured on the H100 (fwd+bwd TFLOPS for G = 1 / 2 / 4 / 8, 2026-11-23): MQA B2 S1k
     H8 D256 full 187 / 208 / 140 / 83 (G = 2 picked), causal 107 / 110 / 71 / 42; GQA 32/8 B4 S4k D128 full
     386 / 398 / 410 (G = 4: no partials, no reduce), causal 340 / 323 / 329.
 
@@ -544,17 +544,24 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, lo
     group = shape.num_heads // shape.num_heads_k
     if group == 1 or (shape.skips_blocks and not (longest_first and shape.mask_kind == MASK_CAUSAL)):
         return 1
-    if shape.skips_blocks:
-        return _causal_dkdv_heads(shape, block_m, block_n, num_sms, group)
-    key_blocks = _ceil_div(shape.seqlen_k, block_n)
-    steps = _ceil_div(shape.seqlen_q, block_m)  # query blocks each block walks, per head
     step_s = 10.0 * block_m * block_n * shape.head_dim_bucket / _SM_FLOPS  # 5 GEMMs of 2 m n k FLOPs
+    if shape.skips_blocks:  # causal, longest first: all steps over the SMs, or G x the longest block's
+        steps = _causal_block_steps(shape, block_m, block_n)
+        total = sum(steps) * shape.num_heads * shape.batch
+
+        def makespan(g: int) -> float:
+            return max(total / num_sms, g * max(steps, default=0))
+    else:  # every block alike: whole waves
+        key_blocks = _ceil_div(shape.seqlen_k, block_n)
+        steps_per_head = _ceil_div(shape.seqlen_q, block_m)  # query blocks each block walks, per head
+
+        def makespan(g: int) -> float:
+            return _ceil_div(key_blocks * (shape.num_heads // g) * shape.batch, num_sms) * g * steps_per_head
     best, best_cost = 1, None
     for g in range(1, group + 1):
         if group % g:
             continue
-        blocks = key_blocks * (shape.num_heads // g) * shape.batch
-        cost = _ceil_div(blocks, num_sms) * g * steps * step_s
+        cost = makespan(g) * step_s
         if g != group:  # fp32 dK and dV partials: written once, read once by the reduce
             cost += 16.0 * shape.batch * (shape.num_heads // g) * shape.seqlen_k * shape.head_dim_bucket \
                 / _PARTIAL_BYTES_PER_S
@@ -563,28 +570,15 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, lo
     return best
 
 
-def _causal_dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, group: int) -> int:
-    """:func:`dkdv_heads` under causal with longest-first blocks: per G, the makespan max(all steps / SMs, G x the
-    longest block's steps) plus, below the whole group, the partials' write-and-reduce traffic."""
+def _causal_block_steps(shape: ProblemShape, block_m: int, block_n: int) -> list:
+    """Query blocks each key block walks per head under causal (bottom-right aligned when Sq != Sk)."""
     num_m = _ceil_div(shape.seqlen_q, block_m)
-    offset = shape.seqlen_k - shape.seqlen_q  # bottom-right causal: query block m sees key block n if ...
+    offset = shape.seqlen_k - shape.seqlen_q
     steps = []
     for n in range(_ceil_div(shape.seqlen_k, block_n)):
         first_row = n * block_n - offset  # the first query row that sees key block n
         steps.append(num_m - (0 if first_row <= 0 else min(num_m, first_row // block_m)))
-    per_head = sum(steps)
-    step_s = 10.0 * block_m * block_n * shape.head_dim_bucket / _SM_FLOPS
-    best, best_cost = 1, None
-    for g in range(1, group + 1):
-        if group % g:
-            continue
-        cost = max(per_head * shape.num_heads * shape.batch / num_sms, g * max(steps, default=0)) * step_s
-        if g != group:
-            cost += 16.0 * shape.batch * (shape.num_heads // g) * shape.seqlen_k * shape.head_dim_bucket \
-                / _PARTIAL_BYTES_PER_S
-        if best_cost is None or cost <= best_cost * (1 + 1e-9):
-            best, best_cost = g, cost
-    return best
+    return steps
 
 
 #: The most query rows a dK/dV block adds into dq_accum at once (kDqAccumBlockRows in bwd_config.cuh).
