@@ -156,7 +156,7 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     const typename Cfg::Blocks blocks(mask, n_block);
 
     if constexpr (Mainloop::kWarpSpecialized) {
-        Mainloop::init_barriers(smem);
+        Mainloop::init_barriers(params, smem);
         __syncthreads();
         if (threadIdx.x < Mainloop::kProducerThreads) {
             sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();

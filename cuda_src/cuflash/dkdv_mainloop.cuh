@@ -48,8 +48,11 @@ struct DkdvLoads {
     // are rebuilt from the constant-bank params on each call instead of holding registers across the loop.
     // Rows past Sq: zero-filled (lse 0 there; the mask hides those queries).
     // tiles = false: Q and dO come by TMA (the warp-specialized producer's thread 0); lse, D and the bias here.
+    // threads: the threads sharing lse and D (fewer than kThreads where the warp-specialized producer gives a warp
+    // to its dQ adds).
     static __device__ __forceinline__ void load_queries(const AttnParams& p, const SeqInfo& seq, unsigned smem, int m,
-                                                        int stage, int tid, int key0, bool tiles = true) {
+                                                        int stage, int tid, int key0, bool tiles = true,
+                                                        int threads = kThreads) {
         const int q0 = m * Cfg::kBlockM;
         if constexpr (Cfg::kBias && !Cfg::kBiasInDs) {  // (kBiasInDs: the producer stages it, in the dS tile)
             if (p.bias_staged) {
@@ -67,7 +70,7 @@ struct DkdvLoads {
         }
         const float* lse_ptr = seq.lse_in(p, q0);
         const float* dsum_ptr = seq.softmax_d(p, q0);
-        for (int i = tid; i < Cfg::kBlockM; i += kThreads) {
+        for (int i = tid; i < Cfg::kBlockM; i += threads) {
             const bool valid = i < rows;
             cp_async_4(smem + Cfg::kOffLse + (stage * Cfg::kBlockM + i) * 4, lse_ptr + (valid ? i : 0), valid);
             cp_async_4(smem + Cfg::kOffDsum + (stage * Cfg::kBlockM + i) * 4, dsum_ptr + (valid ? i : 0), valid);

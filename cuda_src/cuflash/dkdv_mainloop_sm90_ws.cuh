@@ -120,11 +120,12 @@ struct DkdvMainloopSm90Ws {
     }
 
     // Thread 0 sets up the barriers; the kernel's __syncthreads publishes them before the roles split.
-    static __device__ __forceinline__ void init_barriers(unsigned smem) {
+    static __device__ __forceinline__ void init_barriers(const AttnParams& params, unsigned smem) {
         if (threadIdx.x == 0) {
-            sm90::mbarrier_init(kv_full(smem), kProducerThreads);
+            const int loaders = load_threads(params);
+            sm90::mbarrier_init(kv_full(smem), loaders);
             for (int s = 0; s < kStages; ++s) {
-                sm90::mbarrier_init(q_full(smem, s), kProducerThreads);
+                sm90::mbarrier_init(q_full(smem, s), loaders);
                 sm90::mbarrier_init(q_empty(smem, s), kConsumerThreads);
             }
             for (int d = 0; d < 2; ++d) {
@@ -175,6 +176,24 @@ struct DkdvMainloopSm90Ws {
         }
     }
 
+    // The ordered dQ adds on a thread of their own (lane 0 of the producer warpgroup's last warp, write_dq)
+    // instead of the thread that issues the loads: an ordered add waits for its turn and for its completion
+    // before passing the turn on, and on the load thread both held the next steps' loads (H200, session 25:
+    // without the waits for the turn the deterministic dK/dV still took 1.23-1.35x the atomic one's time at
+    // D128). With Q / dO by TMA and no bias copied by the producer's threads, whose loads assume all 128.
+    static __device__ __forceinline__ bool dq_writer_warp(const AttnParams& params) {
+        if constexpr (!kStagedDq) {
+            return false;
+        } else {
+            return ordered_dq(params) && params.qkv_tma != 0 &&
+                   !(Cfg::kBiasInDs && params.bias_staged && !params.bias_tma);
+        }
+    }
+    // The producer threads that issue loads and arrive on kv_full / q_full.
+    static __device__ __forceinline__ int load_threads(const AttnParams& params) {
+        return dq_writer_warp(params) ? kProducerThreads - 32 : kProducerThreads;
+    }
+
     // -------------------------------------------------------------------------------------- producer
     // Iteration k publishes step k - 1's stage (issued one iteration earlier, while the consumers ran step
     // k - 2), waits for the consumers to free stage k % 2 (step k - 2 done), issues step k's loads, then adds
@@ -192,12 +211,31 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, int b, int h0,
                                                    int heads, int n_block, const typename Cfg::Blocks& blocks,
                                                    unsigned smem) {
+        // Two instantiations rather than a flag carried through the loop in the producer's 24 registers.
+        if (dq_writer_warp(params)) {
+            produce_as<true>(params, tma, b, h0, heads, n_block, blocks, smem);
+        } else {
+            produce_as<false>(params, tma, b, h0, heads, n_block, blocks, smem);
+        }
+    }
+    // kWriter (dq_writer_warp): the last warp's lane 0 runs write_dq, the other 96 threads the loads.
+    template <bool kWriter>
+    static __device__ __forceinline__ void produce_as(const AttnParams& params, const TmaParams& tma, int b, int h0,
+                                                      int heads, int n_block, const typename Cfg::Blocks& blocks,
+                                                      unsigned smem) {
+        constexpr int kLoaders = kWriter ? kProducerThreads - 32 : kProducerThreads;
         const int tid = threadIdx.x;
         const int num_m_blocks = blocks.count();
         const int num_steps = heads * num_m_blocks;
         const int key0 = n_block * Cfg::kBlockN;
         if (num_steps == 0) return;
         const bool ordered = ordered_dq(params);
+        if constexpr (kWriter) {
+            if (tid >= kLoaders) {
+                if (tid == kLoaders) write_dq(params, b, h0, num_m_blocks, num_steps, n_block, blocks, smem);
+                return;
+            }
+        }
         // params.qkv_tma (the batched layout): K, V and each step's Q, dO by TMA from thread 0, their bytes
         // counted on kv_full / the stage's q_full before its own arrival there; lse, D (and a bias without a map)
         // still by cp.async, published as before.
@@ -234,7 +272,7 @@ struct DkdvMainloopSm90Ws {
                                            b);
             }
             Loads::load_queries(params, SeqInfo::query_side<kPacked>(params, opaque(b), opaque(c.h)), smem,
-                                blocks.block(c.index()), s, opaque(tid), key0, !tma_tiles);
+                                blocks.block(c.index()), s, opaque(tid), key0, !tma_tiles, kLoaders);
             if constexpr (Cfg::kBiasInDs) {  // into the step's dS tile, free since step - 2 released stage s
                 if (params.bias_tma) {  // by TMA, thread 0 alone, its bytes counted on the stage's full barrier
                     if (tid == 0) {
@@ -250,7 +288,7 @@ struct DkdvMainloopSm90Ws {
             sm80::cp_async_commit();
             // The add after the load issue: an ordered add's wait for its turn overlaps the loads in flight.
             if constexpr (kStagedDq) {
-                if (step >= 2) add_dq(params, b, blocks.block(i2), h2, smem, step - 2, n_block, ordered);
+                if (step >= 2 && !kWriter) add_dq(params, b, blocks.block(i2), h2, smem, step - 2, n_block, ordered);
             }
             i2 = i1;
             h2 = h1;
@@ -262,6 +300,7 @@ struct DkdvMainloopSm90Ws {
         sm90::fence_proxy_async();
         sm90::mbarrier_arrive(q_full(smem, (num_steps - 1) % kStages));
         if constexpr (kStagedDq) {
+            if (kWriter) return;
             if (kEarlyDqRelease && num_steps >= 3 && !ordered) release_dq(smem, num_steps - 3);
             if (num_steps >= 2) add_dq(params, b, blocks.block(i2), h2, smem, num_steps - 2, n_block, ordered);
             add_dq(params, b, blocks.block(i1), h1, smem, num_steps - 1, n_block, ordered);
@@ -272,32 +311,53 @@ struct DkdvMainloopSm90Ws {
     // Step `step`'s staged dQ (dS . K of query block m_block of head `head`, unscaled) added into dq_accum by
     // one thread: kBlockM whole rows, contiguous there. Rows past the sequence carry +-0 (WgmmaDqStep::add).
     // Then the tile of step - 1, whose add was issued one call earlier, goes back to the consumers once read
-    // (kEarlyDqRelease: release_dq gives it back earlier). Ordered (dq_order.cuh): the add waits for key block
-    // n_block's turn at this query block, completes, passes the turn on, and gives its own tile back.
+    // (kEarlyDqRelease: release_dq gives it back earlier). Ordered: add_ordered, on the load thread where no
+    // warp writes dQ (dq_writer_warp).
     static __device__ __forceinline__ void add_dq(const AttnParams& params, int b, int m_block, int head, unsigned smem,
                                                   int step, int n_block, bool ordered) {
         if (threadIdx.x != 0) return;
+        if (ordered) {
+            add_ordered(params, b, m_block, head, smem, step, n_block);
+            return;
+        }
         sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
         float* rows =
             SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
-        if (ordered) {
-            int* counter = dq_order::counters(params, b, head) + m_block;
-            dq_order::wait_turn(counter, add_rank(params, b, head, m_block, n_block));
-            // Only the sequence's rows (the batched layout's seqlen_q): the +-0 of the rows past it would land
-            // in the next head's first rows unordered, and could flip the sign of a zero there.
-            const int rows_in = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM);
-            sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
-            sm90::bulk_commit();
-            sm90::bulk_wait<0>();
-            dq_order::pass_turn(counter);
-            sm90::mbarrier_arrive(dq_empty(smem, step & 1));
-            return;
-        }
         sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), kDqTileBytes);
         sm90::bulk_commit();
         if (!kEarlyDqRelease && step >= 1) {
             sm90::bulk_wait_read<1>();
             sm90::mbarrier_arrive(dq_empty(smem, (step - 1) & 1));
+        }
+    }
+
+    // An ordered add of step `step`'s tile (dq_order.cuh), by the calling thread: once staged, after key block
+    // n_block's turn at query block m_block; complete, the turn passed on, the tile back to the consumers.
+    static __device__ __forceinline__ void add_ordered(const AttnParams& params, int b, int m_block, int head,
+                                                       unsigned smem, int step, int n_block) {
+        sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
+        float* rows =
+            SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
+        int* counter = dq_order::counters(params, b, head) + m_block;
+        dq_order::wait_turn(counter, add_rank(params, b, head, m_block, n_block));
+        // Only the sequence's rows (the batched layout's seqlen_q): the +-0 of the rows past it would land in the
+        // next head's first rows unordered, and could flip the sign of a zero there.
+        const int rows_in = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM);
+        sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
+        sm90::bulk_commit();
+        sm90::bulk_wait<0>();
+        dq_order::pass_turn(counter);
+        sm90::mbarrier_arrive(dq_empty(smem, step & 1));
+    }
+
+    // The writer thread's walk (dq_writer_warp): every step's ordered add, in the consumers' step order.
+    static __device__ __forceinline__ void write_dq(const AttnParams& params, int b, int h0, int num_m_blocks,
+                                                    int num_steps, int n_block, const typename Cfg::Blocks& blocks,
+                                                    unsigned smem) {
+        Cursor c = start(n_block, h0, num_m_blocks, true);
+        for (int step = 0; step < num_steps; ++step) {
+            add_ordered(params, b, blocks.block(c.index()), c.h, smem, step, n_block);
+            c.advance();
         }
     }
 
