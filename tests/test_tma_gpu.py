@@ -140,3 +140,36 @@ def test_qkv_by_tma_against_float64_and_cp_async(p, monkeypatch):
     assert next(iter(api._forward_plans.values()))._qkv_maps is None
     for name, a, b in zip(("out", "lse"), with_tma, without, strict=True):
         assert gu.bit_identical(a, b), f"{name} differs between TMA and cp.async loads of Q / K / V"
+
+
+DQ_WRITER_PROBLEMS = [
+    Problem("bf16", B=2, Sq=300, Sk=277, H=4, Hkv=2, D=128, causal=True, deterministic=True),
+    Problem("fp16", B=1, Sq=1000, Sk=1000, H=2, Hkv=1, D=64, deterministic=True),
+    Problem("bf16", B=2, Sq=513, Sk=700, H=3, Hkv=3, D=128, deterministic=True),
+    Problem("bf16", B=1, Sq=200, Sk=136, H=4, Hkv=2, D=128, bias="full", deterministic=True),
+]
+
+
+@pytest.mark.parametrize("p", DQ_WRITER_PROBLEMS, ids=gu.problem_ids(DQ_WRITER_PROBLEMS))
+def test_deterministic_dq_adds_same_bits_on_their_own_warp(p, monkeypatch):
+    """The deterministic backward's ordered dQ adds run on a warp of their own where Q / dO come by TMA
+    (dkdv_mainloop_sm90_ws.cuh, dq_writer_warp) and on the load thread where they come by cp.async: the same adds
+    in the same order, so every gradient bit for bit; against float64 first."""
+    x = gu.make_inputs(p)
+    gu.check_attention(p, inputs=x)
+    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
+
+    def run():
+        api._forward_plans.clear()
+        api._backward_plans.clear()
+        out, lse = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
+        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **kwargs)
+        return next(iter(api._backward_plans.values()), None), (out, lse, *grads)
+
+    plan, own_warp = run()
+    assert plan is not None and plan._qkv_maps is not None, "this problem was meant to load Q / dO by TMA"
+    monkeypatch.setattr(tma, "_encode", lambda *args: None)  # the driver "refuses": cp.async, adds on the load thread
+    _, load_thread = run()
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")
+    for name, a, b in zip(names, own_warp, load_thread):
+        assert gu.bit_identical(a, b), f"{name} differs between the dQ adds on their own warp and on the load thread"
