@@ -55,6 +55,16 @@ TMA_PROBLEMS = [
 ]
 
 
+def _fresh_deterministic_call(p, x):
+    """Forward and deterministic backward of ``x`` through new plans: (the backward's CallPlan, outputs)."""
+    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
+    api._forward_plans.clear()
+    api._backward_plans.clear()
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **kwargs)
+    return next(iter(api._backward_plans.values()), None), (out, lse, *grads)
+
+
 @pytest.mark.parametrize("p", TMA_PROBLEMS, ids=gu.problem_ids(TMA_PROBLEMS))
 def test_tma_bias_against_float64(p):
     x = gu.make_inputs(p)
@@ -94,19 +104,10 @@ def test_a_cached_forward_with_another_bias_loads_that_bias():
 def test_tma_and_cp_async_copies_give_identical_bits(p, monkeypatch):
     """The same staged tiles either way: forward and backward outputs bit for bit."""
     x = gu.make_inputs(p)
-    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
-
-    def run():
-        api._forward_plans.clear()
-        api._backward_plans.clear()
-        out, lse = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
-        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **kwargs)
-        return (out, lse, *grads)
-
-    with_tma = run()
+    _, with_tma = _fresh_deterministic_call(p, x)
     monkeypatch.setattr(tma, "_encode", lambda *args: None)  # the driver "refuses": cp.async copies
     assert not _uses_tma(x.bias)
-    without = run()
+    _, without = _fresh_deterministic_call(p, x)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), with_tma, without, strict=True):
         assert gu.bit_identical(a, b), f"{name} differs between the TMA and the cp.async bias loads"
 
@@ -157,19 +158,10 @@ def test_deterministic_dq_adds_same_bits_on_their_own_warp(p, monkeypatch):
     in the same order, so every gradient bit for bit; against float64 first."""
     x = gu.make_inputs(p)
     gu.check_attention(p, inputs=x)
-    kwargs = dict(gu.option_kwargs(p, x), causal=p.causal, scale=p.softmax_scale)
-
-    def run():
-        api._forward_plans.clear()
-        api._backward_plans.clear()
-        out, lse = cuflash.attention_forward(x.q, x.k, x.v, **kwargs)
-        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **kwargs)
-        return next(iter(api._backward_plans.values()), None), (out, lse, *grads)
-
-    plan, own_warp = run()
+    plan, own_warp = _fresh_deterministic_call(p, x)
     assert plan is not None and plan._qkv_maps is not None, "this problem was meant to load Q / dO by TMA"
     monkeypatch.setattr(tma, "_encode", lambda *args: None)  # the driver "refuses": cp.async, adds on the load thread
-    _, load_thread = run()
+    _, load_thread = _fresh_deterministic_call(p, x)
     names = ("out", "lse", "dq", "dk", "dv", "dbias")
     for name, a, b in zip(names, own_warp, load_thread):
         assert gu.bit_identical(a, b), f"{name} differs between the dQ adds on their own warp and on the load thread"
