@@ -217,36 +217,49 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     }
 
     // The keys query row `row` sees form one range [lo, hi): its ids' range (when given) cut by the window
-    // and the end of the keys; empty for a row past Sq. (64-bit window arithmetic: window_left / right may
-    // be 1 << 30, "unbounded".)
+    // and the end of the keys; empty for a row past Sq. The queries key `key` is seen by, the same way (and
+    // below rows_valid). (64-bit window arithmetic: window_left / right may be 1 << 30, "unbounded".)
     __device__ __forceinline__ int2 row_keys(const IdRanges& r, int row) const {
-        if (row >= seqlen_q) return make_int2(0, 0);
-        int lo = 0, hi = seqlen_k;
-        if (has_seg || has_blk) {
-            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * p.seqlen_q + row);
-            lo = ids.x, hi = min(hi, ids.y);
-        }
-        const long long diag = static_cast<long long>(row) + causal_offset;  // key j has j - row - offset = 0
-        lo = static_cast<int>(max(static_cast<long long>(lo), diag - window_left));
-        hi = static_cast<int>(min(static_cast<long long>(hi), diag + window_right + 1));
-        return make_int2(lo, max(lo, hi));
+        // key j has j - row - offset = 0 on the diagonal
+        return span(r, row, seqlen_q, p.seqlen_q, seqlen_k, static_cast<long long>(row) + causal_offset,
+                    window_left, window_right);
     }
-    // The queries key `key` is seen by, [lo, hi), the same way (and below rows_valid).
     __device__ __forceinline__ int2 key_queries(const IdRanges& r, int key, int rows_valid) const {
-        if (key >= seqlen_k) return make_int2(0, 0);
-        int lo = 0, hi = min(seqlen_q, rows_valid);
+        // query i has key - i - offset = 0 on the diagonal
+        return span(r, key, seqlen_k, p.seqlen_k, min(seqlen_q, rows_valid),
+                    static_cast<long long>(key) - causal_offset, window_right, window_left);
+    }
+    // Position `pos` of one side (of `count`; the ids' rows `stride` apart per batch) sees [lo, hi) of the other
+    // (of `other`): its ids' range, then [diag - before, diag + after].
+    __device__ __forceinline__ int2 span(const IdRanges& r, int pos, int count, int stride, int other, long long diag,
+                                         int before, int after) const {
+        if (pos >= count) return make_int2(0, 0);
+        int lo = 0, hi = other;
         if (has_seg || has_blk) {
-            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * p.seqlen_k + key);
+            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * stride + pos);
             lo = ids.x, hi = min(hi, ids.y);
         }
-        const long long diag = static_cast<long long>(key) - causal_offset;  // query i has key - i - offset = 0
-        lo = static_cast<int>(max(static_cast<long long>(lo), diag - window_right));
-        hi = static_cast<int>(min(static_cast<long long>(hi), diag + window_left + 1));
+        lo = static_cast<int>(max(static_cast<long long>(lo), diag - before));
+        hi = static_cast<int>(min(static_cast<long long>(hi), diag + after + 1));
         return make_int2(lo, max(lo, hi));
     }
 
-    // The ranged C-fragment form: per row its [lo, hi) moved to the thread's first column, then two compares
-    // against a constant per score.
+    // The scores of one fragment row pair (`half`: the thread's rows 0-7 / 8-15 of a 16-row tile) outside
+    // [lo, hi), counted from the thread's first column, to -inf: two compares against a constant per score.
+    template <int kNTiles>
+    static __device__ __forceinline__ void keep_span(float (&acc)[kNTiles][4], int half, int lo, int hi) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int k = nt * 8 + c;
+                float& x = acc[nt][2 * half + c];
+                x = (k >= lo) & (k < hi) ? x : -INFINITY;
+            }
+        }
+    }
+
+    // The ranged C-fragment form: per row its [lo, hi) moved to the thread's first column.
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply_ranged(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         const int lane = threadIdx.x % 32;
@@ -257,20 +270,12 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int2 keys = row_keys(r, row0 + mt * 16 + lane / 4 + half * 8);
-                const int lo = keys.x - col_base, hi = keys.y - col_base;
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int k = nt * 8 + c;
-                        float& x = acc[mt][nt][2 * half + c];
-                        x = (k >= lo) & (k < hi) ? x : -INFINITY;
-                    }
-                }
+                keep_span(acc[mt], half, keys.x - col_base, keys.y - col_base);
             }
         }
     }
 
+    // The transposed one: per key its [lo, hi) of queries.
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed_ranged(float (&acc)[kNTiles][4], int key_row, int query_col,
                                                             int rows_valid) const {
@@ -278,16 +283,7 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int2 queries = key_queries(r, key_row + half * 8, rows_valid);
-            const int lo = queries.x - query_col, hi = queries.y - query_col;
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int k = nt * 8 + c;
-                    float& x = acc[nt][2 * half + c];
-                    x = (k >= lo) & (k < hi) ? x : -INFINITY;
-                }
-            }
+            keep_span(acc, half, queries.x - query_col, queries.y - query_col);
         }
     }
 
