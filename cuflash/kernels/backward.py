@@ -276,9 +276,10 @@ for _key, _bytes in {(90, 128, 2, 3, True): 32, (80, 128, 2, 3, True): 20}.items
 # Session 25: the ordered dQ adds on a warp of their own (dkdv_mainloop_sm90_ws.cuh, dq_writer_warp) instantiate
 # the producer twice (loads with and without the adds); both spill in the producer's 24 registers, the consumers
 # not at all. Timed on an H200 (NVRTC 13.0): the atomic dK/dV 0.998-1.007x its time before, the deterministic
-# one 0.73-0.80x (RESULTS.md session 25). The larger of NVRTC 13.5 and nvcc 13.0.
+# one 0.73-0.80x (RESULTS.md session 25). The larger of NVRTC 13.5 and nvcc 13.0, and of the GPU machine's NVRTC
+# 13.0 (session 26: 108 + 148 bytes for the bias one, 4 more than nvcc 13.0).
 for _key, _bytes in {(90, 64, 0, 0, True): 276, (90, 64, 1, 0, True): 252, (90, 128, 0, 0, True): 240,
-                     (90, 128, 0, 2, True): 252, (90, 128, 1, 0, True): 196, (90, 128, 1, 2, True): 228}.items():
+                     (90, 128, 0, 2, True): 256, (90, 128, 1, 0, True): 196, (90, 128, 1, 2, True): 228}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
