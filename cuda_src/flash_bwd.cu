@@ -143,10 +143,13 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
     if constexpr (Mainloop::kWarpSpecialized) {
-        // Causal: longest first across heads, unless the dQ adds are ordered (the other mainloops keep the
-        // grid's order: the remap's registers spilled some mma.sync variants at 255, nvcc 13.0).
-        if (kMask == kCausalMask && !Mainloop::ordered_dq(params)) {
-            causal_grid_order<kHeadDim>(params.seqlen_q * heads, n_block, group, b);
+        // Key blocks in chunks of heads (bwd_config.cuh): causal, longest first across heads unless the dQ adds
+        // are ordered (those go last-first within a head: key_block); no mask with ordered adds, each head's key
+        // blocks staggered. The other mainloops keep the grid's order: the remap's registers spilled some
+        // mma.sync variants at 255, nvcc 13.0.
+        if (kMask == kCausalMask ? !Mainloop::ordered_dq(params)
+                                 : kMask == kNoMask && Mainloop::ordered_dq(params)) {
+            chunked_grid_order<kHeadDim>(params.seqlen_q * heads, n_block, group, b);
         }
         n_block = Mainloop::key_block(params, n_block);
     }

@@ -113,7 +113,7 @@ def _long_problems():
     for d in (64, 256):
         for causal in (False, True):
             problems.append(Problem("fp32", B=1, Sq=2049, Sk=2049, H=8, Hkv=2, D=d, causal=causal))
-    # The causal dK/dV grid's order (causal_grid_order, bwd_config.cuh): 12 (head, batch) pairs in chunks of
+    # The causal dK/dV grid's order (chunked_grid_order, bwd_config.cuh): 12 (head, batch) pairs in chunks of
     # 7 (16 MB of Q and dO at 4100 x 128), so two chunks, the last one partial, over 33 key blocks.
     problems.append(Problem("bf16", B=2, Sq=4100, Sk=4100, H=6, Hkv=3, D=128, causal=True))
     return problems
@@ -140,6 +140,9 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=4, Sq=2100, Sk=2100, H=16, Hkv=4, D=128, deterministic=True),
     Problem("bf16", B=2, Sq=700, Sk=1500, H=6, Hkv=2, D=64, causal=True, deterministic=True),
     Problem("fp16", B=2, Sq=1500, Sk=700, H=4, Hkv=1, D=128, causal=True, deterministic=True),
+    # Unmasked ordered adds with each head's key blocks staggered (chunked_grid_order, bwd_config.cuh): 32
+    # (head, batch) pairs in chunks of 21 (16 MB of Q and dO at 3000 x 64), the last chunk partial.
+    Problem("bf16", B=2, Sq=3000, Sk=3000, H=16, Hkv=16, D=64, deterministic=True),
 )
 RUNS = 10
 

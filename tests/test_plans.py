@@ -45,7 +45,7 @@ def test_reduce_blocks_cover_the_keys_with_a_chunk_per_thread(bucket):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_causal_merges_heads_only_where_blocks_go_longest_first(deterministic):
     # The causal triangle: merged heads lengthen the longest blocks. The warp-specialized kernel dispatches them
-    # longest first (causal_grid_order), so GQA 32/8 at S4k takes its whole group (the longest block, 4 x 64
+    # longest first (chunked_grid_order), so GQA 32/8 at S4k takes its whole group (the longest block, 4 x 64
     # steps, stays under an SM's share, 1024); its ordered dQ adds (deterministic) keep the grid's order: one head.
     plan = backward.plan_backward(_shape(4, 4096, 32, 8, 128, causal=True), 90, deterministic, num_sms=132)
     assert dict(plan.fields)["dkdv_heads"] == (1 if deterministic else 4)

@@ -23,18 +23,24 @@ namespace cuflash {
 // (cuflash/kernels/backward.py: DQ_ACCUM_BLOCK_ROWS).
 constexpr int kDqAccumBlockRows = 128;
 
-// The causal dK/dV grid's order. The grid is (key blocks, head groups, batch) and the hardware hands CTAs
-// out in linear order; under causal key block n walks about (1 - n / key blocks) of the query blocks, so with
-// n fastest each head's longest CTA is dispatched right after the previous head's shortest, and the last
-// head's longest one starts when the others are nearly done (ncu, H200: D128 S4k causal 1278 us against 1199
-// for its share of the unmasked kernel's steps; a list-scheduling model of the grid: 6.5% over the ideal
-// makespan). This remaps the linear index so that, in chunks of `chunk` (head group, batch) pairs, key blocks go
-// longest first across the chunk's heads: the model's makespan within 0.3-1.5% of ideal at S1k-S16k. A chunk
-// holds about 16 MB of Q and dO (its heads' shared L2 working set). Not for the ordered dQ adds, whose waits
-// rely on the dispatch order (dq_order.cuh). The warp-specialized dK/dV kernel only.
+// The dK/dV grid's order in chunks of heads. The grid is (key blocks, head groups, batch) and the hardware hands
+// CTAs out in linear order. This remaps the linear index so that, in chunks of `chunk` (head group, batch) pairs,
+// key block n of every pair in the chunk comes before key block n + 1 of any: a chunk holds about 16 MB of Q and
+// dO (its heads' shared L2 working set). Two uses on the warp-specialized dK/dV kernel:
+//   - causal (atomic dQ): key block n walks about (1 - n / key blocks) of the query blocks, so with n fastest
+//     each head's longest CTA is dispatched right after the previous head's shortest, and the last head's longest
+//     one starts when the others are nearly done (ncu, H200: D128 S4k causal 1278 us against 1199 for its share
+//     of the unmasked kernel's steps; a list-scheduling model of the grid: 6.5% over the ideal makespan). Here
+//     key blocks go longest first across the chunk's heads: the model's makespan within 0.3-1.5% of ideal at
+//     S1k-S16k.
+//   - no mask, ordered dQ adds (dq_order.cuh): key block n adds into each query block right after key block
+//     n - 1, every CTA walking the query blocks in one order. With n fastest a head's key blocks start together
+//     and each one's adds queue behind the previous one's, a chain as long as the key blocks (H200, session 26:
+//     deterministic / default forward+backward 0.87x at D64 S1k). Here key block n starts a chunk's width of
+//     CTAs after key block n - 1 of its head, and it still waits only for CTAs dispatched before it.
 // query_rows: the rows of Q / dO one (head group, batch) pair reads, Sq times its query heads.
 template <int kHeadDim>
-__device__ __forceinline__ void causal_grid_order(int query_rows, int& n_block, int& group, int& b) {
+__device__ __forceinline__ void chunked_grid_order(int query_rows, int& n_block, int& group, int& b) {
     const int key_blocks = int(gridDim.x), groups = int(gridDim.y), pairs = groups * int(gridDim.z);
     const long long per_head = static_cast<long long>(query_rows) * kHeadDim * 4;  // Q and dO, 16-bit
     const int chunk = static_cast<int>(max(1ll, min(static_cast<long long>(pairs), (16ll << 20) / max(per_head, 1ll))));

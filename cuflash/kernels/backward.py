@@ -281,6 +281,10 @@ for _key, _bytes in {(90, 128, 2, 3, True): 32, (80, 128, 2, 3, True): 20}.items
 for _key, _bytes in {(90, 64, 0, 0, True): 276, (90, 64, 1, 0, True): 252, (90, 128, 0, 0, True): 240,
                      (90, 128, 0, 2, True): 256, (90, 128, 1, 0, True): 196, (90, 128, 1, 2, True): 228}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 26: the unmasked ordered adds' staggered grid (chunked_grid_order in flash_bwd.cu's prologue) moved the D128
+# bias variant (deterministic without a mask; in no bench) from 252 to 268 bytes (nvcc 13.0; NVRTC 13.5: 264), plus
+# the 4 the GPU machine's NVRTC 13.0 spilled above nvcc 13.0 in it before. The others kept their counts.
+SPILL_ALLOWANCE[(90, 128, 0, 2, True)] = 272
 del _key, _bytes
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
@@ -545,7 +549,7 @@ def dkdv_heads(shape: ProblemShape, block_m: int, block_n: int, num_sms: int, lo
     H8 D256 full 187 / 208 / 140 / 83 (G = 2 picked), causal 107 / 110 / 71 / 42; GQA 32/8 B4 S4k D128 full
     386 / 398 / 410 (G = 4: no partials, no reduce), causal 340 / 323 / 329.
 
-    ``longest_first`` (causal, the warp-specialized kernel's grid order ``causal_grid_order`` in bwd_config.cuh):
+    ``longest_first`` (causal, the warp-specialized kernel's grid order ``chunked_grid_order`` in bwd_config.cuh):
     the blocks are dispatched longest first, so the makespan is about the larger of all steps over the SMs and
     the longest block's steps, and merged heads cost only where that block gets longer than an SM's share.
     """
