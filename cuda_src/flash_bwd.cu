@@ -142,17 +142,9 @@ flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams
     // Query heads group*heads .. +heads (params.dkdv_heads of one kv head's group; the plan picks it).
     int n_block = blockIdx.x, group = blockIdx.y, b = blockIdx.z;
     const int heads = params.dkdv_heads;
-    if constexpr (Mainloop::kWarpSpecialized) {
-        // Key blocks in chunks of heads (bwd_config.cuh): causal, longest first across heads unless the dQ adds
-        // are ordered (those go last-first within a head: key_block); no mask with ordered adds, each head's key
-        // blocks staggered. The other mainloops keep the grid's order: the remap's registers spilled some
-        // mma.sync variants at 255, nvcc 13.0.
-        if (kMask == kCausalMask ? !Mainloop::ordered_dq(params)
-                                 : kMask == kNoMask && Mainloop::ordered_dq(params)) {
-            chunked_grid_order<kHeadDim>(params.seqlen_q * heads, n_block, group, b);
-        }
-        n_block = Mainloop::key_block(params, n_block);
-    }
+    // The other mainloops keep the grid's order: the remap's registers spilled some mma.sync variants at 255,
+    // nvcc 13.0.
+    if constexpr (Mainloop::kWarpSpecialized) Mainloop::grid_position(params, heads, n_block, group, b);
     const SeqInfo seq(params, b, group * heads, LayoutOf<kMask>());
     if (n_block * kBlockN >= seq.seqlen_k) return;  // past a shorter packed sequence (the grid covers the longest)
     const typename Cfg::Mask mask(params, seq);  // one head per block under the general mask

@@ -163,6 +163,17 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ int key_block(const AttnParams& params, int bx) {
         return kCausalOrder && ordered_dq(params) ? int(gridDim.x) - 1 - bx : bx;
     }
+    // The CTA's (key block, head group, batch) from its grid position: key blocks in chunks of heads
+    // (chunked_grid_order, bwd_config.cuh) under causal, longest first across heads, unless the dQ adds are
+    // ordered (those go last-first within a head: key_block); without a mask and with ordered adds, each head's
+    // key blocks staggered a chunk apart.
+    static __device__ __forceinline__ void grid_position(const AttnParams& params, int heads, int& n_block,
+                                                         int& group, int& b) {
+        if (kCausalOrder ? !ordered_dq(params) : Cfg::kMask == kNoMask && ordered_dq(params)) {
+            chunked_grid_order<Cfg::kHeadDim>(params.seqlen_q * heads, n_block, group, b);
+        }
+        n_block = key_block(params, n_block);
+    }
     // The turn of key block n_block at query block m_block: without a mask the key blocks add in increasing
     // order; under causal from the block's last visible key block down.
     static __device__ __forceinline__ int add_rank(const AttnParams& params, int b, int head, int m_block, int n_block) {
