@@ -95,6 +95,27 @@ def test_heads_divide_the_group_and_mha_never_merges(h, hk, num_sms):
 
 # --- the forward's mainloop choice and grid (cuflash/kernels/forward.py) -------------------------------------
 
+@pytest.mark.parametrize("seqlen, causal, block_m", [(1024, True, 128), (1000, True, 128), (1025, True, 192),
+                                                     (4096, True, 192), (1024, False, 192)])
+def test_d64_short_causal_heads_take_the_128_row_tile(seqlen, causal, block_m):
+    """D64 on sm_90a: causal heads of at most SHORT_CAUSAL_MAX_QUERIES queries run the 128-row warp-specialized
+    tile (eight full blocks at 1024 instead of six 192-row ones, the last a third full); longer, unmasked or
+    packed heads keep 192 rows, and other head dims their own tile."""
+    from cuflash.kernels import forward
+
+    def fwd(shape):
+        return [launch for launch in kernels.plan_forward(shape, 90, num_sms=132).launches
+                if launch.variant.name == forward.KERNEL_NAME][0].variant.config
+
+    config = fwd(kernels.ProblemShape(16, seqlen, seqlen, 16, 16, 64, 64, "bfloat16", causal))
+    assert config.mainloop == forward.MAINLOOP_SM90_WS and config.block_m == block_m
+    assert config.num_warps == block_m // 16
+    assert fwd(kernels.ProblemShape(16, seqlen, seqlen, 8, 8, 128, 128, "bfloat16", causal)).block_m == 128
+    packed = kernels.ProblemShape(4, 1024, 1024, 16, 16, 64, 64, "bfloat16", True, packed=True, total_q=4096,
+                                  total_k=4096)
+    assert fwd(packed).block_m == 128 and fwd(packed).mask != kernels.MASK_CAUSAL  # packed: the general mask's tile
+
+
 @pytest.mark.parametrize("bucket", (64, 128, 256))
 @pytest.mark.parametrize("mask", kernels.MASK_KINDS)
 @pytest.mark.parametrize("score_mod", kernels.SCORE_MODS)

@@ -302,13 +302,24 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
     raise ValueError(f"no wgmma tile for head-dim bucket {head_dim_bucket}; the mma.sync path serves it")
 
 
-def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE, score_mod: int = MOD_NONE) -> tuple:
+#: D64 causal heads of at most this many queries take the 128-row warp-specialized tile instead of the 192-row one
+#: (tile_sm90_ws's ``short_causal``): 1024 rows fill eight 128-row blocks but pad to six 192-row ones, the last
+#: with 64 rows and the longest key walk. H100, session 16 run 9 (B x S = 16k tokens, H32, TFLOPS, 192 / 128
+#: rows): S1k causal 254 / 269, S2k causal 329 / 319, S1k full 380 / 377; longer or unmasked heads keep 192.
+SHORT_CAUSAL_MAX_QUERIES = 1024
+
+
+def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE, score_mod: int = MOD_NONE,
+                 short_causal: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the consumer
     warpgroups (8 warps x 16 rows, kBlockM = 128; at D64 12 warps, 192 rows); the producer warpgroup comes on
     top (384 or 512 threads, one CTA per SM). The consumers hold 224 registers each after the hand-over (232 at D256; setmaxnreg),
     more than the 8-warp wgmma mainloop's CTA-wide budget needs at these tiles; the ring takes what shared
     memory is left, up to 227 KB per block.
     """
+    if head_dim_bucket == 64 and mask == MASK_CAUSAL and score_mod == MOD_NONE and short_causal:
+        # SHORT_CAUSAL_MAX_QUERIES: two consumer warpgroups, 128 rows. Q 16 KB + 3 x (K + V) 96 KB = 112 KB.
+        return 128, 128, 8, 3
     if head_dim_bucket == 64 and mask in (MASK_NONE, MASK_CAUSAL) and score_mod == MOD_NONE:
         # Three consumer warpgroups (192 query rows, FlashAttention-3's D64 tile; 160 registers each after the
         # hand-over): D64 is as exp-bound as it is GEMM-bound, and a third warpgroup's softmax can run under the
@@ -371,8 +382,9 @@ def ws_fits(head_dim_bucket: int, mask: int, score_mod: int) -> bool:
 
 
 def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0,
-            mainloop: int | None = None) -> KernelVariant:
-    """The forward variant of a problem; ``mainloop`` (None: :func:`default_mainloop`) forces one, for A/B runs."""
+            mainloop: int | None = None, short_causal: bool = False) -> KernelVariant:
+    """The forward variant of a problem; ``mainloop`` (None: :func:`default_mainloop`) forces one, for A/B runs;
+    ``short_causal``: a causal problem of at most SHORT_CAUSAL_MAX_QUERIES queries (:func:`tile_sm90_ws`)."""
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
@@ -383,7 +395,7 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     if mainloop != MAINLOOP_SM80 and not arch_caps(arch).has_wgmma:
         raise ValueError(f"the wgmma mainloops need sm_90a; got {arch=}")
     if mainloop == MAINLOOP_SM90_WS:
-        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias, int(mask), score_mod)
+        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias, int(mask), score_mod, short_causal)
     elif mainloop == MAINLOOP_SM90:
         block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, bias)
     else:
@@ -447,7 +459,8 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
 
 def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> Plan:
     """One launch (:func:`grid_for`); under the general mask its block lists first."""
-    v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod)
+    short_causal = shape.mask_kind == MASK_CAUSAL and not shape.packed and shape.seqlen_q <= SHORT_CAUSAL_MAX_QUERIES
+    v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod, short_causal=short_causal)
     grid = grid_for(v.config, shape, num_sms)
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(v, grid),))
@@ -460,5 +473,11 @@ def all_variants(arch: int) -> list:
     """fp16 / bf16 x every head-dim bucket x mask kind x score modifier or not (none before sm_80)."""
     if not arch_caps(arch).has_cp_async:
         return []
-    return [variant(dtype, bucket, mask, arch, score_mod)
-            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in SCORE_MODS]
+    out = [variant(dtype, bucket, mask, arch, score_mod)
+           for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in SCORE_MODS]
+    for dtype in DTYPES:  # the short causal heads' tile where it differs (SHORT_CAUSAL_MAX_QUERIES)
+        for bucket in HEAD_DIM_BUCKETS:
+            short = variant(dtype, bucket, MASK_CAUSAL, arch, short_causal=True)
+            if short not in out:
+                out.append(short)
+    return out
