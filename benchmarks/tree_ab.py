@@ -5,6 +5,15 @@ tree's own cuda_src):
 
     for t in base new; do (cd $t && PYTHONPATH=. python3 benchmarks/tree_ab.py $t D128-S4k-full D64-S4k-full); done
 
+Alternate which tree runs first from round to round, and run nothing else on the machine: on an H200 (session 27,
+benchmarks/RESULTS.md) the second process of a pair read up to ~10% slower on the S1k cells than the first with
+the same kernels (none at S4k), and rounds beside a test run on the other GPU moved by as much.
+
+    for r in 1 2 3 4; do
+      [ $((r % 2)) = 1 ] && order="base new" || order="new base"
+      for t in $order; do (cd $t && PYTHONPATH=. python3 benchmarks/tree_ab.py $t D128-S1k-full D64-S4k-full); done
+    done
+
 Per cell (`python -m cuflash bench --list` names them; bf16 inputs seeded per cell, so every tree sees the same
 ones): median GPU time of the forward, the default backward and the deterministic backward (CUDA events, 20
 calls after a warm-up), their TFLOPS (forward 4 B H S^2 D, halved when causal; backward 2.5x that; forward +
