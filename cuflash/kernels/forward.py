@@ -459,7 +459,7 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
 
 def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> Plan:
     """One launch (:func:`grid_for`); under the general mask its block lists first."""
-    short_causal = shape.mask_kind == MASK_CAUSAL and not shape.packed and shape.seqlen_q <= SHORT_CAUSAL_MAX_QUERIES
+    short_causal = shape.mask_kind == MASK_CAUSAL and shape.seqlen_q <= SHORT_CAUSAL_MAX_QUERIES  # packed: general
     v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod, short_causal=short_causal)
     grid = grid_for(v.config, shape, num_sms)
     if not is_general(shape.mask_kind):
