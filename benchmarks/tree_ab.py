@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("label", help="the tree's name in the output")
     ap.add_argument("cells", nargs="+")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forward-only", action="store_true", help="time and compare the forward alone")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="time and compare the forward alone (with --precompile: compile its kernels alone)")
     ap.add_argument("--ref-dir", default="/tmp/cuflash-tree-ab", help="where the first tree's outputs are kept")
     ap.add_argument("--precompile", action="store_true",
                     help="only compile the cells' kernels (this tree's plans: forward, both backward modes, sm_90a "
@@ -52,7 +53,7 @@ def main() -> int:
         print(f"no cell named {unknown}; see python -m cuflash bench --list", file=sys.stderr)
         return 2
     if args.precompile:
-        return precompile([cells[n] for n in args.cells])
+        return precompile([cells[n] for n in args.cells], args.forward_only)
     import cupy as cp
 
     import cuflash
@@ -88,13 +89,15 @@ def main() -> int:
     return 0
 
 
-def precompile(cells) -> int:
+def precompile(cells, forward_only: bool = False) -> int:
     from cuflash import build, kernels
 
     variants = {}
     for c in cells:
         shape = kernels.ProblemShape(c.B, c.S, c.S, c.H, c.Hkv, c.D, c.D, "bfloat16", c.causal)
-        plans = [kernels.plan_forward(shape, 90, 132)] + [kernels.plan_backward(shape, 90, d, 132) for d in (False, True)]
+        plans = [kernels.plan_forward(shape, 90, 132)]
+        if not forward_only:
+            plans += [kernels.plan_backward(shape, 90, d, 132) for d in (False, True)]
         for plan in plans:
             for launch in plan.launches:
                 variants[build.render_name(launch.variant)] = launch.variant
