@@ -440,9 +440,7 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     heads keep one CTA per tile (measured below, at PAIRED_MAX_QUERY_BLOCKS). Under the general mask (packed
     sequences too), whose tiles' work only the block lists know, min(tiles, SMs) CTAs take tiles from a queue
     (an atomic counter after the lists: FwdUnitWalk in cuda_src/cuflash/fwd_mainloop_sm90_ws.cuh; session 12:
-    documents forward +12%, window +10%, against one CTA per tile). Causal problems with no more tiles than SMs
-    run one CTA per tile: pairs would leave half the SMs idle (MQA 8/1 D256 S1k B2: 64 pairs of up to 18 key
-    steps on 132 SMs, against 128 tiles of at most 16)."""
+    documents forward +12%, window +10%, against one CTA per tile)."""
     tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
     if config.mainloop != MAINLOOP_SM90_WS:
         return tiles
@@ -453,7 +451,7 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
         return (count, 1, 1)
     if config.mask == MASK_NONE:
         return (max(1, min(count, num_sms)), 1, 1)
-    if config.mask == MASK_CAUSAL and tiles[0] <= PAIRED_MAX_QUERY_BLOCKS and count > num_sms:
+    if config.mask == MASK_CAUSAL and tiles[0] <= PAIRED_MAX_QUERY_BLOCKS:
         pairs = (tiles[0] + 1) // 2 * tiles[1] * tiles[2]
         return (max(1, min(pairs, num_sms)), 1, 1)
     return (count, 1, 1)
