@@ -211,9 +211,10 @@ class CallPlan:
         if qkv is not None and _reads_qkv_maps(plan) and not int(params[0]["cu_seqlens_q"]):
             ptrs = [int(params[0][name]) for name, _ in _MAPPED[:len(qkv)]]
             layouts = [tma.bshd_map_layout(*operand, ptr) for operand, ptr in zip(qkv, ptrs)]
-            if all(layout is not None and tma.encode(ptr, *layout, tma.BSHD_BOX) is not None
-                   for layout, ptr in zip(layouts, ptrs)):
-                maps += [(index, _MAP_OFFSETS[name], *layout, tma.BSHD_BOX, name)
+            boxes = _qkv_boxes(plan)
+            if all(layout is not None and tma.encode(ptr, *layout, boxes[name]) is not None
+                   for (name, _), layout, ptr in zip(_MAPPED, layouts, ptrs)):
+                maps += [(index, _MAP_OFFSETS[name], *layout, boxes[name], name)
                          for (name, index), layout in zip(_MAPPED, layouts)]
                 params = params.copy()
                 params[0]["qkv_tma"] = 1
@@ -290,6 +291,21 @@ class CallPlan:
             ctypes.memmove(maps_address, self.tma_bytes(pointers), TMA_PARAMS_BYTES)
         for function, gx, gy, gz, threads, smem in self.launches:
             launch_kernel(self.device, function, gx, gy, gz, threads, 1, 1, smem, stream_ptr, argv_address, 0)
+
+
+def _qkv_boxes(plan: Plan) -> dict:
+    """The box of each q / k / v / dout map of ``plan``: 64 x 64 (tma.BSHD_BOX), but K / V boxes of a whole key tile
+    where the plan's warp-specialized forward has tiles 64 rows do not divide (tma.kv_box; the kernel's
+    sm90::kv_box_rows). One box per map: a plan whose kernels would read K / V with two boxes is a planning bug."""
+    kv = {tma.kv_box(item.variant.config.block_n) for item in plan.launches
+          if item.variant.name == "cuflash::flash_fwd_kernel"
+          and item.variant.config.mainloop == _forward_kernels.MAINLOOP_SM90_WS}
+    if any(item.variant.name == "cuflash::flash_bwd_dkdv_kernel" for item in plan.launches):
+        kv.add(tma.BSHD_BOX)
+    if len(kv) > 1:
+        raise AssertionError(f"one plan reads K / V by TMA with boxes {sorted(kv)}")
+    box = kv.pop() if kv else tma.BSHD_BOX
+    return {"q": tma.BSHD_BOX, "k": box, "v": box, "dout": tma.BSHD_BOX}
 
 
 def _reads_qkv_maps(plan: Plan) -> bool:

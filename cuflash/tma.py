@@ -8,7 +8,8 @@ second, ``__grid_constant__`` parameter of the kernels that read them (``cuflash
 
 Loaded this way, by the warp-specialized forward and dK/dV kernels: the bias's (rows x keys) tiles, staged in the
 128-byte-swizzled wide panels of ``cuda_src/cuflash/tile.cuh``, and the Q / K / V (and dO) tiles of the batched
-layout. Every map has 64 x 64 boxes (64 elements of the innermost dim, 64 rows).
+layout. Every map has 64 x 64 boxes (64 elements of the innermost dim, 64 rows), but the K / V maps of a forward
+whose key tiles 64 rows do not divide (:func:`kv_box`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ _OOB_FILL_ZERO = 0            # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds
 #: kernel's tile is a whole number of them (BiasPanelTile::load_tma, sm90::tma_load_rows).
 BIAS_BOX = (64, 64, 1, 1)  # (keys, query rows, heads, batch)
 BSHD_BOX = (64, 1, 64, 1)  # (head dim, heads, rows, batch)
+
+
+def kv_box(block_n: int) -> tuple:
+    """The box of the K / V maps of a kernel whose key tiles have ``block_n`` rows: BSHD_BOX, or one box of the
+    whole tile where 64 rows do not divide it (the warp-specialized D256 forward's 80-key tiles; a box has at
+    most 256 rows). ``sm90::kv_box_rows`` in cuda_src/cuflash/tma_sm90.cuh makes the same choice."""
+    if block_n % 64 == 0:
+        return BSHD_BOX
+    if block_n % 8 or not 0 < block_n <= 256:
+        raise ValueError(f"no TMA box for key tiles of {block_n} rows")
+    return (64, 1, block_n, 1)
 #: The maps encoded lately, by (address, dims, strides, box): a training loop passes the same buffers every step
 #: (a layer's q / k / v / dout and bias: 4-5 maps per layer; 1024 maps of 128 bytes hold a few hundred layers).
 _CACHE_SIZE = 1024

@@ -387,6 +387,19 @@ def test_the_warp_specialized_forward_gets_q_k_v_maps(gpu, monkeypatch):
         for offset, x in ((128, q), (256, k), (384, v)):
             assert launch_[6][offset:offset + 8] == x.data.ptr.to_bytes(8, "little")
             assert launch_[6][offset + 8:offset + 12] == bytes(tma.BSHD_BOX)
+    # Long unmasked D256 heads (forward.D256_WIDE_MIN_KEYS) take 80-key tiles: K / V boxes of a whole tile; Q keeps
+    # 64 x 64; a shorter head keeps 64 x 64 boxes everywhere.
+    from cuflash.kernels import forward as fwd
+    for sk, rows in ((fwd.D256_WIDE_MIN_KEYS + 77, 80), (453, 64)):
+        q2, k2, v2 = qkv(gpu, b=1, sq=300, sk=sk, h=4, hk=2, d=256)
+        cuflash.attention_forward(q2, k2, v2)
+        maps = gpu.launches[-1][6]
+        kv_box = bytes((64, 1, rows, 1))
+        assert kv_box == bytes(tma.kv_box(rows))
+        assert [maps[offset + 8:offset + 12] for offset in (128, 256, 384)] == [bytes(tma.BSHD_BOX), kv_box, kv_box]
+    assert tma.kv_box(128) == tma.BSHD_BOX and tma.kv_box(64) == tma.BSHD_BOX and tma.kv_box(176) == (64, 1, 176, 1)
+    with pytest.raises(ValueError):
+        tma.kv_box(260)
     # The backward's warp-specialized dK/dV kernel reads q, k, v and dout maps.
     out, lse, dout = gpu.array((2, 256, 4, 128), BF16), gpu.array((2, 4, 256), np.float32), gpu.array((2, 256, 4, 128), BF16)
     before = len(gpu.launches)
@@ -395,6 +408,7 @@ def test_the_warp_specialized_forward_gets_q_k_v_maps(gpu, monkeypatch):
         assert int.from_bytes(launch_[5][flag:flag + 4], "little") == 1
         for offset, x in ((128, q), (256, k), (384, v), (512, dout)):
             assert launch_[6][offset:offset + 8] == x.data.ptr.to_bytes(8, "little")
+            assert launch_[6][offset + 8:offset + 12] == bytes(tma.BSHD_BOX)
     assert tma.bshd_map_layout((2, 256, 4, 128), (256 * 512, 512, 128, 1), 2, 256) == (
         (128, 4, 256, 2), (256, 1024, 256 * 1024))
     monkeypatch.setattr(tma, "_encode", lambda *args: None)

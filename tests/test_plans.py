@@ -137,6 +137,26 @@ def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
     assert forward.variant("bfloat16", bucket, mask, 80, score_mod).config.mainloop == forward.MAINLOOP_SM80
 
 
+@pytest.mark.parametrize("seqlen_k, causal, block_n", [(8192, False, 80), (16384, False, 80), (8191, False, 64),
+                                                      (1024, False, 64), (16384, True, 64)])
+def test_long_unmasked_d256_heads_take_the_80_key_tile(seqlen_k, causal, block_n):
+    """forward.D256_WIDE_MIN_KEYS: unmasked D256 heads of at least 8192 keys take 128 x 80 (FlashAttention-3's tile);
+    shorter or causal heads keep 64 keys, and other head dims never change. The tile fits the block with O in Q's
+    tile, and its K / V boxes are whole tiles (80 rows: 64 do not divide it)."""
+    from cuflash import tma
+    from cuflash.kernels import forward
+
+    shape = kernels.ProblemShape(1, 300, seqlen_k, 8, 8, 256, 256, "bfloat16", causal)
+    (launch,) = kernels.plan_forward(shape, 90, num_sms=132).launches
+    assert launch.variant.config.block_n == block_n and launch.variant.config.mainloop == forward.MAINLOOP_SM90_WS
+    assert launch.variant.smem_bytes <= forward.WS_SMEM_LIMIT
+    assert tma.kv_box(block_n) == ((64, 1, 80, 1) if block_n == 80 else tma.BSHD_BOX)
+    for bucket in (64, 128):
+        other = kernels.ProblemShape(1, 300, seqlen_k, 8, 8, bucket, bucket, "bfloat16", causal)
+        assert kernels.plan_forward(other, 90).launches[-1].variant.config.block_n % 64 == 0
+    assert kernels.plan_forward(shape, 80).launches[-1].variant.config.block_n % 16 == 0
+
+
 def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
     j-th longest and j-th shortest query blocks (equal work); causal heads of more than

@@ -11,7 +11,8 @@ session 17, the D128 bias (no softcap) dK/dV variants on sm_90a moved to the war
 dQ kernel took its mainloop kind as its last template argument, the sm_90a D256 dQ variants without a modifier, bool
 mask or dropout moved to the wgmma tile 128 x 32, and their dK/dV variants to the warp-specialized mainloop; session 20, the dQ
 convert took kSwizzledDq, and its swizzled variants joined on sm_90a; session 27, the D64 causal forward's 128-row
-warp-specialized tile joined for heads of at most 1024 queries, forward.SHORT_CAUSAL_MAX_QUERIES). A change of
+warp-specialized tile joined for heads of at most 1024 queries, forward.SHORT_CAUSAL_MAX_QUERIES; session 29, the
+unmasked D256 forward's 80-key tile for heads of at least 8192 keys, forward.D256_WIDE_MIN_KEYS). A change of
 any tile, warp count, stage count or wgmma choice on sm_80 or sm_90a changes this set: regenerate the
 file only for a deliberate, measured tile change, and say so in the commit.
 """

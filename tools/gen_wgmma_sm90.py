@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 
 #: N of the m64nNk16 shapes the kernels use (multiples of 16: pairs of C n-tiles).
-SHAPES_N = (32, 64, 96, 128, 192, 256)
+SHAPES_N = (32, 64, 80, 96, 128, 192, 256)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 OUT = pathlib.Path(__file__).resolve().parent.parent / "cuda_src" / "cuflash" / "wgmma_sm90_ops.cuh"
 

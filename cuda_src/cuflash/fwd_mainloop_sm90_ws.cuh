@@ -219,9 +219,9 @@ struct FwdMainloopSm90Ws
     static constexpr int kOffBarriers = Loads::kSmemBytes + (kSeparateO ? QTile::kBytes : 0);
     static constexpr int kSmemBytes = kOffBarriers + kBarrierBytes;
     static_assert(Loads::kSmemBytes % 16 == 0, "the O tile and the mbarriers need 16-byte alignment");
-    static_assert((Cfg::kNWarps == 8 || Cfg::kNWarps == 12) && Cfg::kWarpRows == 16 && Cfg::kHeadDim % 64 == 0 && kBlockN % 64 == 0 &&
+    static_assert((Cfg::kNWarps == 8 || Cfg::kNWarps == 12) && Cfg::kWarpRows == 16 && Cfg::kHeadDim % 64 == 0 && kBlockN % 16 == 0 &&
                       kBlockN <= 256 && Cfg::kHeadDim <= 256,
-                  "two or three consumer warpgroups of 16-row warps, 64-column panels and N <= 256");
+                  "two or three consumer warpgroups of 16-row warps, 64-column panels, N a multiple of 16 up to 256");
     static_assert(kStages >= 2, "the ring needs two slots (see the deadlock argument above)");
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(sizeof(Cfg) == 0, "the warp-specialized mainloop compiles for sm_90a only");

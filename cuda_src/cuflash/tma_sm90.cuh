@@ -24,8 +24,8 @@ struct alignas(64) TmaDescriptor {
 
 // The second parameter of the forward and dK/dV kernels: the maps of the tensors they may load by TMA
 // (cuflash/launch.py: TMA_PARAMS_BYTES is this struct's size). bias: valid when AttnParams::bias_tma; q, k, v
-// and in the backward dout (the batched "bshd" tensors as 4-d (D, H, S, B) maps, 64 x 64 boxes): valid when
-// AttnParams::qkv_tma.
+// and in the backward dout (the batched "bshd" tensors as 4-d (D, H, S, B) maps, 64 x 64 boxes, K / V boxes of
+// kv_box_rows of the forward's key tile): valid when AttnParams::qkv_tma.
 struct TmaParams {
     TmaDescriptor bias;
     TmaDescriptor q;
@@ -57,19 +57,25 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDescriptor* d
         : "memory");
 }
 
-// A wide-panel tile (SwizzledTile with 64-column panels, kRows a multiple of 64) of rows row0 .. + kRows of
-// head `head` in batch `batch` of a (D, H, S, B) map, by the calling thread alone: a 64 x 64 box per 64 rows of
-// each panel (the map's 128-byte swizzle is the tile's when it starts 1024-byte aligned). Adds the tile's bytes
-// to `bar` first; columns past D and rows past S land as zeros (and count).
-template <typename Tile>
+// The rows of one K / V box of a kRows-row tile: 64, or the whole tile where 64 rows do not divide it (the wide
+// key tiles, e.g. D256 80 rows; a box may have up to 256 rows). cuflash/tma.py's kv_box makes the same choice.
+__host__ __device__ constexpr int kv_box_rows(int rows) { return rows % 64 == 0 ? 64 : rows; }
+
+// A wide-panel tile (SwizzledTile with 64-column panels, kRows a multiple of kBoxRows) of rows row0 .. + kRows of
+// head `head` in batch `batch` of a (D, H, S, B) map whose box is 64 columns x kBoxRows rows, by the calling
+// thread alone: a box per kBoxRows rows of each panel (the map's 128-byte swizzle is the tile's when it starts
+// 1024-byte aligned; kBoxRows a multiple of 8 keeps every box so). Adds the tile's bytes to `bar` first; columns
+// past D and rows past S land as zeros (and count).
+template <typename Tile, int kBoxRows = 64>
 __device__ __forceinline__ void tma_load_rows(unsigned smem, const TmaDescriptor* map, unsigned bar, int head,
                                               int row0, int batch) {
-    static_assert(Tile::kPanelCols == 64 && Tile::kRows % 64 == 0, "64-column panels of whole 64-row boxes");
+    static_assert(Tile::kPanelCols == 64 && Tile::kRows % kBoxRows == 0 && kBoxRows % 8 == 0 && kBoxRows <= 256,
+                  "64-column panels of whole boxes of 8-row multiples, at most 256 rows");
     mbarrier_expect_tx(bar, Tile::kBytes);
 #pragma unroll
     for (int panel = 0; panel < Tile::kPanels; ++panel) {
 #pragma unroll
-        for (int rows = 0; rows < Tile::kRows; rows += 64) {
+        for (int rows = 0; rows < Tile::kRows; rows += kBoxRows) {
             tma_load_4d(smem + panel * Tile::kPanelBytes + rows * Tile::kRowBytes, map, bar, 64 * panel, head,
                         row0 + rows, batch);
         }

@@ -141,6 +141,9 @@ for _key, _bytes in {(90, 64, 1, 2): 52, (90, 64, 1, 3): 100, (90, 64, 2, 0): 32
 for _key, _bytes in {(90, 64, 2, 2): 68, (90, 64, 2, 3): 84, (90, 128, 2, 2): 84, (90, 128, 2, 3): 92,
                      (80, 64, 2, 3): 8}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 29, D256's 80-key tile (D256_WIDE_MIN_KEYS), the larger of NVRTC 13.5 and nvcc 13.0: 64 + 104 bytes, all
+# in the producer warpgroup (40 registers; its cp.async path's addresses); the consumers' 232 registers hold the tile.
+SPILL_ALLOWANCE[(90, 256, 0, 0)] = max(SPILL_ALLOWANCE.get((90, 256, 0, 0), 0), 168)
 del _key, _bytes
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
@@ -309,8 +312,15 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
 SHORT_CAUSAL_MAX_QUERIES = 1024
 
 
+#: Unmasked D256 heads of at least this many keys take FlashAttention-3's 80-key tile (tile_sm90_ws's ``long_keys``)
+#: instead of 64 keys. H200, session 29 (three rounds in rotating order, forward medians, ms, 64 / 80 keys): B1 H8
+#: S16k 3.077 / 2.936 (+4.8%), B4 H8 S4k 0.809 / 0.820 (-1.3%, inside the spread), B16 H8 S1k 0.254 / 0.272 (-7%),
+#: MQA 8/1 B2 S1k 0.050 / 0.064; causal D256 moved -1.5% to +0.5% and keeps 64. 8k keys were not measured.
+D256_WIDE_MIN_KEYS = 8192
+
+
 def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE, score_mod: int = MOD_NONE,
-                 short_causal: bool = False) -> tuple:
+                 short_causal: bool = False, long_keys: bool = False) -> tuple:
     """(kBlockM, kBlockN, kNWarps, kStages) of the warp-specialized wgmma mainloop: kNWarps counts the consumer
     warpgroups (8 warps x 16 rows, kBlockM = 128; at D64 12 warps, 192 rows); the producer warpgroup comes on
     top (384 or 512 threads, one CTA per SM). The consumers hold 224 registers each after the hand-over (232 at D256; setmaxnreg),
@@ -342,6 +352,11 @@ def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE
     if head_dim_bucket == 128:
         # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).
         return 128, 128, 8, 2
+    if head_dim_bucket == 256 and mask == MASK_NONE and long_keys:
+        # D256_WIDE_MIN_KEYS: FlashAttention-3's and -4's D256 tile, 80 keys: acc 128 + S 40 + P 20, 20% fewer softmax
+        # rescales and barriers per FLOP. Q 64 KB + 2 x (K + V) 160 KB = 224 KB, O staged in Q's tile. 64 rows do not
+        # divide 80: the K / V boxes are whole tiles (tma.kv_box).
+        return 128, 80, 8, 2
     if head_dim_bucket == 256:
         # acc 128 + S 32 + P 16: 64 keys. Q 64 KB + 2 x (K + V) 128 KB = 192 KB.
         return 128, 64, 8, 2
@@ -382,9 +397,10 @@ def ws_fits(head_dim_bucket: int, mask: int, score_mod: int) -> bool:
 
 
 def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: int = 0,
-            mainloop: int | None = None, short_causal: bool = False) -> KernelVariant:
+            mainloop: int | None = None, short_causal: bool = False, long_keys: bool = False) -> KernelVariant:
     """The forward variant of a problem; ``mainloop`` (None: :func:`default_mainloop`) forces one, for A/B runs;
-    ``short_causal``: a causal problem of at most SHORT_CAUSAL_MAX_QUERIES queries (:func:`tile_sm90_ws`)."""
+    ``short_causal``: a causal problem of at most SHORT_CAUSAL_MAX_QUERIES queries, ``long_keys``: one of at least
+    D256_WIDE_MIN_KEYS keys (:func:`tile_sm90_ws`)."""
     if dtype not in DTYPES:
         raise ValueError(f"the tensor-core forward takes float16 or bfloat16; got {dtype=}")
     if head_dim_bucket not in HEAD_DIM_BUCKETS:
@@ -395,7 +411,8 @@ def variant(dtype: str, head_dim_bucket: int, mask: int, arch: int, score_mod: i
     if mainloop != MAINLOOP_SM80 and not arch_caps(arch).has_wgmma:
         raise ValueError(f"the wgmma mainloops need sm_90a; got {arch=}")
     if mainloop == MAINLOOP_SM90_WS:
-        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias, int(mask), score_mod, short_causal)
+        block_m, block_n, warps, stages = tile_sm90_ws(head_dim_bucket, bias, int(mask), score_mod, short_causal,
+                                                       long_keys)
     elif mainloop == MAINLOOP_SM90:
         block_m, block_n, warps, stages = tile_sm90_wgmma(head_dim_bucket, bias)
     else:
@@ -460,7 +477,9 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
 def plan_forward(shape: ProblemShape, arch: int, num_sms: int = DEFAULT_SMS) -> Plan:
     """One launch (:func:`grid_for`); under the general mask its block lists first."""
     short_causal = shape.mask_kind == MASK_CAUSAL and shape.seqlen_q <= SHORT_CAUSAL_MAX_QUERIES  # packed: general
-    v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod, short_causal=short_causal)
+    long_keys = shape.seqlen_k >= D256_WIDE_MIN_KEYS
+    v = variant(shape.dtype, shape.head_dim_bucket, shape.mask_kind, arch, shape.score_mod, short_causal=short_causal,
+                long_keys=long_keys)
     grid = grid_for(v.config, shape, num_sms)
     if not is_general(shape.mask_kind):
         return Plan(launches=(Launch(v, grid),))
@@ -475,9 +494,10 @@ def all_variants(arch: int) -> list:
         return []
     out = [variant(dtype, bucket, mask, arch, score_mod)
            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask in MASK_KINDS for score_mod in SCORE_MODS]
-    for dtype in DTYPES:  # the short causal heads' tile where it differs (SHORT_CAUSAL_MAX_QUERIES)
-        for bucket in HEAD_DIM_BUCKETS:
-            short = variant(dtype, bucket, MASK_CAUSAL, arch, short_causal=True)
-            if short not in out:
-                out.append(short)
+    for dtype in DTYPES:  # the short causal heads' and long heads' tiles where they differ (SHORT_CAUSAL_MAX_QUERIES,
+        for bucket in HEAD_DIM_BUCKETS:  # D256_WIDE_MIN_KEYS)
+            for extra in (variant(dtype, bucket, MASK_CAUSAL, arch, short_causal=True),
+                          variant(dtype, bucket, MASK_NONE, arch, long_keys=True)):
+                if extra not in out:
+                    out.append(extra)
     return out
