@@ -75,11 +75,10 @@ struct FwdConfig {
     static_assert(kWarpKeys % 16 == 0, "P.V steps over 16 keys");
     static_assert(kNWarps % kWarpsN == 0 && (kWarpsN == 1 || !kBias), "key-split warps take no staged bias");
     static_assert(kStages >= 1, "at least one K and one V buffer");
-    // Powers of two, but 192 query rows (three warpgroups of the warp-specialized D64 tile) and the warp-
-    // specialized forward's wide key tiles (D256 80 keys, FlashAttention-3's; any multiple of 16) as well.
-    static_assert(((kBlockM & (kBlockM - 1)) == 0 || kBlockM == 192) &&
-                      ((kBlockN & (kBlockN - 1)) == 0 || kBlockN % 16 == 0),
-                  "power-of-two tiles (or 192 query rows, or keys a multiple of 16)");
+    // Query rows: powers of two, or 192 (three warpgroups of the warp-specialized D64 tile). Keys: multiples of 16
+    // (P.V's k-steps), powers of two but for the warp-specialized D256 tile's 80.
+    static_assert(((kBlockM & (kBlockM - 1)) == 0 || kBlockM == 192) && kBlockN % 16 == 0,
+                  "power-of-two query tiles (or 192 rows), keys a multiple of 16");
 };
 
 // The load side: Q once, then K / V of step j (key block blocks.block(j)) into slot j % kSlots. Each
@@ -152,8 +151,9 @@ struct FwdLoads {
     __device__ __forceinline__ void load_kv_tma(bool is_v, const TmaDescriptor* map, int j, int ring_j,
                                                 unsigned full) const {
         if (j < blocks.count()) {
-            sm90::tma_load_rows<KVTile, sm90::kv_box_rows(KVTile::kRows)>((is_v ? smem_v : smem_k) + (ring_j % kSlots) * KVTile::kBytes, map, full,
-                                        h_kv, blocks.block(j) * Cfg::kBlockN, b);
+            constexpr int kBoxRows = sm90::kv_box_rows(KVTile::kRows);
+            sm90::tma_load_rows<KVTile, kBoxRows>((is_v ? smem_v : smem_k) + (ring_j % kSlots) * KVTile::kBytes, map,
+                                                  full, h_kv, blocks.block(j) * Cfg::kBlockN, b);
         }
     }
     // Step j's K (and bias) / V tiles into slot ring_j % kSlots (ring_j = j but in the persistent mainloop).
