@@ -157,6 +157,20 @@ def test_long_unmasked_d256_heads_take_the_80_key_tile(seqlen_k, causal, block_n
     assert kernels.plan_forward(shape, 80).launches[-1].variant.config.block_n % 16 == 0
 
 
+@pytest.mark.parametrize("dims", [(1, 190, 8269, 2, 1, 256, "bfloat16"), (2, 70, 8192, 2, 2, 232, "float16")])
+def test_long_key_tma_test_problems_plan_the_80_key_tile(dims):
+    """The long-key problems of test_tma_gpu's Q / K / V test take the warp-specialized 80-key tile, whose K / V
+    boxes they are there to check (session 30: a D200 problem there planned the 224 bucket's cp.async kernel)."""
+    from cuflash import launch
+    from cuflash.kernels import forward
+
+    b, sq, sk, h, hkv, d, dtype = dims
+    plan = kernels.plan_forward(kernels.ProblemShape(b, sq, sk, h, hkv, d, d, dtype, False), 90, num_sms=132)
+    (only,) = plan.launches
+    assert only.variant.config.block_n == 80 and only.variant.config.mainloop == forward.MAINLOOP_SM90_WS
+    assert launch._reads_qkv_maps(plan) and launch._qkv_boxes(plan)["k"] == (64, 1, 80, 1)
+
+
 def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
     j-th longest and j-th shortest query blocks (equal work); causal heads of more than
