@@ -138,11 +138,12 @@ def test_warp_specialized_mainloop_where_it_fits(bucket, mask, score_mod):
 
 
 @pytest.mark.parametrize("seqlen_k, causal, block_n", [(8192, False, 80), (16384, False, 80), (8191, False, 64),
-                                                      (1024, False, 64), (16384, True, 64)])
-def test_long_unmasked_d256_heads_take_the_80_key_tile(seqlen_k, causal, block_n):
-    """forward.D256_WIDE_MIN_KEYS: unmasked D256 heads of at least 8192 keys take 128 x 80 (FlashAttention-3's tile);
-    shorter or causal heads keep 64 keys, and other head dims never change. The tile fits the block with O in Q's
-    tile, and its K / V boxes are whole tiles (80 rows: 64 do not divide it)."""
+                                                      (1024, False, 64), (16384, True, 80), (8192, True, 80),
+                                                      (8191, True, 64)])
+def test_long_d256_heads_take_the_80_key_tile(seqlen_k, causal, block_n):
+    """forward.D256_WIDE_MIN_KEYS: unmasked and causal D256 heads of at least 8192 keys take 128 x 80
+    (FlashAttention-3's tile); shorter heads keep 64 keys, and other head dims never change. The tile fits the block
+    with O in Q's tile, and its K / V boxes are whole tiles (80 rows: 64 do not divide it)."""
     from cuflash import tma
     from cuflash.kernels import forward
 
@@ -157,15 +158,16 @@ def test_long_unmasked_d256_heads_take_the_80_key_tile(seqlen_k, causal, block_n
     assert kernels.plan_forward(shape, 80).launches[-1].variant.config.block_n % 16 == 0
 
 
-@pytest.mark.parametrize("dims", [(1, 190, 8269, 2, 1, 256, "bfloat16"), (2, 70, 8192, 2, 2, 232, "float16")])
+@pytest.mark.parametrize("dims", [(1, 190, 8269, 2, 1, 256, "bfloat16", False), (2, 70, 8192, 2, 2, 232, "float16", False),
+                                  (1, 300, 8269, 2, 1, 256, "bfloat16", True)])
 def test_long_key_tma_test_problems_plan_the_80_key_tile(dims):
     """The long-key problems of test_tma_gpu's Q / K / V test take the warp-specialized 80-key tile, whose K / V
     boxes they are there to check (session 30: a D200 problem there planned the 224 bucket's cp.async kernel)."""
     from cuflash import launch
     from cuflash.kernels import forward
 
-    b, sq, sk, h, hkv, d, dtype = dims
-    plan = kernels.plan_forward(kernels.ProblemShape(b, sq, sk, h, hkv, d, d, dtype, False), 90, num_sms=132)
+    b, sq, sk, h, hkv, d, dtype, causal = dims
+    plan = kernels.plan_forward(kernels.ProblemShape(b, sq, sk, h, hkv, d, d, dtype, causal), 90, num_sms=132)
     (only,) = plan.launches
     assert only.variant.config.block_n == 80 and only.variant.config.mainloop == forward.MAINLOOP_SM90_WS
     assert launch._reads_qkv_maps(plan) and launch._qkv_boxes(plan)["k"] == (64, 1, 80, 1)

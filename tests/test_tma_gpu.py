@@ -119,11 +119,13 @@ QKV_PROBLEMS = [
     Problem("bf16", B=1, Sq=150, Sk=170, H=4, Hkv=2, D=112, window=(40, 6)),
     Problem("fp16", B=2, Sq=70, Sk=129, H=2, Hkv=1, D=40, causal=True),
     Problem("fp16", B=2, Sq=90, Sk=136, H=4, Hkv=2, D=128, bias="full", softcap=3.0),
-    # Long unmasked D256 heads (forward.D256_WIDE_MIN_KEYS): 80-key tiles, whose K / V boxes are whole tiles; 8269 keys
-    # end 29 into the last tile, 8192 exactly 32 into it; D232 (the 256 bucket: D200 would be 224's, which is not
-    # warp-specialized) leaves zero columns past D. test_plans checks that both plan that tile.
+    # Long unmasked and causal D256 heads (forward.D256_WIDE_MIN_KEYS): 80-key tiles, whose K / V boxes are whole
+    # tiles; 8269 keys end 29 into the last tile, 8192 exactly 32 into it; D232 (the 256 bucket: D200 would be 224's,
+    # which is not warp-specialized) leaves zero columns past D; causal with 300 queries against 8269 keys (the
+    # diagonal crosses the last four key tiles, bottom-right aligned). test_plans checks that these plan that tile.
     Problem("bf16", B=1, Sq=190, Sk=8269, H=2, Hkv=1, D=256),
     Problem("fp16", B=2, Sq=70, Sk=8192, H=2, Hkv=2, D=232),
+    Problem("bf16", B=1, Sq=300, Sk=8269, H=2, Hkv=1, D=256, causal=True),
 ]
 
 

@@ -309,13 +309,15 @@ def tile_sm90_wgmma(head_dim_bucket: int, bias: bool = False) -> tuple:
 SHORT_CAUSAL_MAX_QUERIES = 1024
 
 
-#: Unmasked D256 heads of at least this many keys take FlashAttention-3's 80-key tile (tile_sm90_ws's ``long_keys``)
-#: instead of 64 keys. H200, session 29 (three rounds in rotating order, forward medians, ms, 64 / 80 keys): B1 H8
-#: S16k 3.077 / 2.936 (+4.8%; a second run on another machine 3.100 / 2.998, +3.4%), B4 H8 S4k 0.809 / 0.820 (-1.3%,
-#: inside the spread), B16 H8 S1k 0.254 / 0.272 (-7%), MQA 8/1 B2 S1k 0.050 / 0.064; causal D256 moved -1.5% to
-#: +0.5% and keeps 64. 8k keys were not measured. Spills (NVRTC 13.5 and nvcc 13.0): 64 + 104 bytes, all in the
-#: producer warpgroup (40 registers: its cp.async path's addresses), against 16 + 16 for 64 keys; the consumers'
-#: 232 registers hold the tile. (D256 is not among the hot kernels tests/test_build.py holds to SPILL_ALLOWANCE.)
+#: Unmasked and causal D256 heads of at least this many keys take FlashAttention-3's 80-key tile (tile_sm90_ws's
+#: ``long_keys``) instead of 64 keys. H200, session 29 (three rounds in rotating order, forward medians, ms, 64 / 80
+#: keys): B1 H8 S16k 3.077 / 2.936 (+4.8%; a second run on another machine 3.100 / 2.998, +3.4%), B4 H8 S4k 0.809 /
+#: 0.820 (-1.3%, inside the spread), B16 H8 S1k 0.254 / 0.272 (-7%), MQA 8/1 B2 S1k 0.050 / 0.064. Causal: session 29
+#: -1.5% to +0.5% (S16k +0.5%); session 30, four rounds, B1 H8 S16k 1.494 / 1.428 (+4.7%; 80 keys faster in three of
+#: the four), S4k (64 keys both) 0.451 / 0.451; so causal heads of 8192 keys and more joined. 8k keys were not measured.
+#: Spills (NVRTC 13.5 and nvcc 13.0): unmasked 64 + 104 bytes, causal 36 + 56, all in the producer warpgroup (40
+#: registers: its cp.async path's addresses), against 16 + 16 for 64 keys; the consumers' 232 registers hold the tile.
+#: (D256 is not among the hot kernels tests/test_build.py holds to SPILL_ALLOWANCE.)
 D256_WIDE_MIN_KEYS = 8192
 
 
@@ -352,7 +354,7 @@ def tile_sm90_ws(head_dim_bucket: int, bias: bool = False, mask: int = MASK_NONE
     if head_dim_bucket == 128:
         # Q 32 KB + 2 x (K + V) 128 KB = 160 KB (3 stages would be 224 KB + the barriers: 227 KB is the limit).
         return 128, 128, 8, 2
-    if head_dim_bucket == 256 and mask == MASK_NONE and long_keys:
+    if head_dim_bucket == 256 and mask in (MASK_NONE, MASK_CAUSAL) and long_keys:
         # D256_WIDE_MIN_KEYS: FlashAttention-3's and -4's D256 tile, 80 keys: acc 128 + S 40 + P 20, 20% fewer softmax
         # rescales and barriers per FLOP. Q 64 KB + 2 x (K + V) 160 KB = 224 KB, O staged in Q's tile. 64 rows do not
         # divide 80: the K / V boxes are whole tiles (tma.kv_box).
@@ -497,7 +499,8 @@ def all_variants(arch: int) -> list:
     for dtype in DTYPES:  # the short causal heads' and long heads' tiles where they differ (SHORT_CAUSAL_MAX_QUERIES,
         for bucket in HEAD_DIM_BUCKETS:  # D256_WIDE_MIN_KEYS)
             for extra in (variant(dtype, bucket, MASK_CAUSAL, arch, short_causal=True),
-                          variant(dtype, bucket, MASK_NONE, arch, long_keys=True)):
+                          variant(dtype, bucket, MASK_NONE, arch, long_keys=True),
+                          variant(dtype, bucket, MASK_CAUSAL, arch, long_keys=True)):
                 if extra not in out:
                     out.append(extra)
     return out
