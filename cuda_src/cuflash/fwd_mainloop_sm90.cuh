@@ -45,16 +45,16 @@ __device__ __forceinline__ bool ratio_is_one(const float (&ratio)[kMTiles][2]) {
 }
 
 // Step j's softmax while P.V_{j-1} still writes acc_o (both wgmma mainloops): the max and exp steps of S_j
-// (masked) now (kFmaExpEvery: OnlineSoftmax::exp_step), dropout's zeros, then the wait for P.V_{j-1}, pv_done() (the warp-specialized mainloop
+// (masked) now, dropout's zeros, then the wait for P.V_{j-1}, pv_done() (the warp-specialized mainloop
 // frees V's slot there), acc_o's rescale, and P_j packed as the next P.V's A operand. block: key block n.
-template <typename Elem, int kFmaExpEvery, int kMTiles, int kNTiles, int kDTiles, typename Work, typename PvDone>
+template <typename Elem, int kMTiles, int kNTiles, int kDTiles, typename Work, typename PvDone>
 __device__ __forceinline__ void softmax_under_pv(const Work& work, float (&acc_s)[kMTiles][kNTiles][4],
                                                  float (&acc_o)[kMTiles][kDTiles][4], OnlineSoftmax<kMTiles>& softmax,
                                                  unsigned (&p_frag)[kNTiles / 2][4], int block, float scale_log2,
                                                  bool never, PvDone&& pv_done) {
     float ratio[kMTiles][2];
     softmax.max_step(acc_s, ratio, scale_log2);
-    softmax.template exp_step<kFmaExpEvery>(acc_s, scale_log2);
+    softmax.exp_step(acc_s, scale_log2);
     work.drop(acc_s, block);
     keep_wait_after(softmax.row_sum[0][0] + softmax.row_sum[0][1], never, work.smem_q);  // sums of all p
     sm90::wait<0>();
@@ -155,7 +155,7 @@ struct FwdMainloopSm90 : FwdWork<Cfg, FwdLoads<Cfg, SwizzledTile<Cfg::kBlockN, C
             this->modify_and_mask(acc_s, j, this->blocks.block(j));
             // acc_o is still being written by P.V_{j-1}: the softmax's max and exp steps run now, its
             // rescale of acc_o once P.V_{j-1} is done.
-            softmax_under_pv<Elem, 0>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
+            softmax_under_pv<Elem>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
                                    [] {});
         }
         // The last P.V. Its barrier also orders every wgmma read of Q before the epilogue's stores.

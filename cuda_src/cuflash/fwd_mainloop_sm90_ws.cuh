@@ -183,13 +183,14 @@ struct FwdMainloopSm90Ws
     static constexpr int kConsumerRegisters =
         kConsumerWarpgroups == 3 ? 160 : Cfg::kHeadDim == 256 ? 232 : Cfg::kBias ? 216 : 224;
     static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;  // the launch cap at one block per SM
-    // D64 is bound by the exponentials (per warpgroup step 8192 of them, 512 clocks of MUFU.EX2, against 554
-    // of wgmma at the tensor pipe's peak): every 8th n-tile's go to the FMA pipe (exp2_fma). H100, session 9,
-    // three interleaved A/B rounds against all-MUFU: unmasked S1k / S4k / S16k 1.03x / 1.05x / 1.04x; causal
-    // S4k / S16k 1.00x / 0.98x (the mask's selects already load the FMA pipe) and every 4th n-tile worse than
-    // every 8th, so only the unmasked variant without a score modifier (the one measured) takes it.
-    static constexpr int kFmaExpEvery =
-        Cfg::kHeadDim == 64 && Cfg::kMask == kNoMask && is_same_v<typename Cfg::ScoreMod, IdentityScoreMod> ? 8 : 0;
+    // Every exponential runs on MUFU.EX2. D64 is as bound by them as by the GEMMs (per 64 x 128 step 8192 of
+    // them, 512 clocks of MUFU at 16 per clock, against 512-554 of wgmma at the tensor pipe's peak), and moving
+    // every 8th n-tile's to the FMA pipe (a degree-3 polynomial of 2^(x - round(x)) with round(x) added into the
+    // exponent field) won 3-5% on the two-warpgroup tile (H100, session 9). On the three-warpgroup tile that D64
+    // takes since, the polynomial's ~9 instructions per exponential cost more issue slots than the MUFU time they
+    // save (ncu, H200, session 31: 607M instructions against FlashAttention-4's 459M on D64 S4k), and all-MUFU
+    // won: eight rotating A/B rounds, forward medians, S1k / S4k / S16k 1.036x / 1.033x / 1.023x (every 16th
+    // n-tile on the FMA pipe, four rounds: 1.020x / 1.023x / 1.026x).
     static constexpr int kProducerRegisters =
         (kEntryRegisters * kThreads - kConsumerRegisters * kConsumerThreads) / kProducerThreads;
     static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
@@ -429,7 +430,7 @@ struct FwdMainloopSm90Ws
             if constexpr (!Cfg::kBias) release_k(0);
             this->template modify_and_mask<true>(acc_s, 0, this->blocks.block(0), r0);
             if constexpr (Cfg::kBias) release_k(0);
-            softmax.template update<kFmaExpEvery>(acc_s, acc_o, scale_log2);
+            softmax.update(acc_s, acc_o, scale_log2);
             this->drop(acc_s, this->blocks.block(0));
             pack_a<Elem>(p_frag, acc_s[0]);
         }
@@ -447,7 +448,7 @@ struct FwdMainloopSm90Ws
             if constexpr (!Cfg::kBias) release_k(j);
             this->template modify_and_mask<true>(acc_s, j, this->blocks.block(j), r);
             if constexpr (Cfg::kBias) release_k(j);
-            softmax_under_pv<Elem, kFmaExpEvery>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
+            softmax_under_pv<Elem>(*this, acc_s, acc_o, softmax, p_frag, this->blocks.block(j), scale_log2, never,
                                    [&] { sm90::mbarrier_arrive(v_empty(r - 1)); });
         }
         const int r_last = r0 + n - 1;

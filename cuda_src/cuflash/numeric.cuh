@@ -1,5 +1,4 @@
-// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2 (MUFU) and exp2_fma
-// (FMA pipe), ceil_div; and opaque (an index the compiler cannot hoist from), conditional_t (a kernel's
+// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2 (MUFU), ceil_div; and opaque (an index the compiler cannot hoist from), conditional_t (a kernel's
 // mainloop per arch) and is_same_v.
 // NVRTC has no <math.h>, hence no INFINITY macro of its own; this is the only definition.
 #pragma once
@@ -21,22 +20,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-
-// 2^x on the FMA and integer pipes, for the share of the softmax's exponentials that would otherwise queue
-// behind MUFU.EX2 (16 per clock per SM on Hopper, against 128 FFMA): x + 1.5 * 2^23 leaves round(x) in the
-// low mantissa bits, 2^(x - round(x)) on [-0.5, 0.5] is a degree-3 polynomial (minimax in relative error,
-// at most 7.5e-5: below half an ulp of fp16 or bf16, the type P is rounded to for P.V), and round(x) is added
-// into the exponent field. Like fast_exp2 it returns +0 below 2^-126 and for -inf; it takes x <= 64 (the
-// softmax's exponents are <= 0 up to rounding).
-__device__ __forceinline__ float exp2_fma(float x) {
-    const float shifted = x + 12582912.f;
-    const float f = x - (shifted - 12582912.f);
-    float p = fmaf(0.05517146f, f, 0.24261086f);
-    p = fmaf(p, f, 0.69326099f);
-    p = fmaf(p, f, 0.99992809f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-    return x < -126.f ? 0.f : y;
 }
 
 // Returns x unchanged, but the compiler can no longer see where it came from, so nothing derived from

@@ -110,9 +110,7 @@ struct OnlineSoftmax {
     // 3. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score, written over acc_s (fp32,
     // not yet normalized), and l += rowsum(p). Masked scores (-inf) give p = 0; for a row with no visible key
     // the offset is 0, so p = 0 there as well.
-    // kFmaExpEvery > 0: every kFmaExpEvery-th n-tile's exponentials run on the FMA pipe (exp2_fma), the rest
-    // on MUFU, for a mainloop whose softmax is bound by the special-function unit (the same p to 7.5e-5).
-    template <int kFmaExpEvery = 0, int kNTiles>
+    template <int kNTiles>
     __device__ __forceinline__ void exp_step(float (&acc_s)[kMTiles][kNTiles][4], float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -125,8 +123,7 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
                         const float x = fmaf(acc_s[mt][nt][e], scale_log2, -m_scaled);
-                        const float p = kFmaExpEvery > 0 && nt % kFmaExpEvery == kFmaExpEvery - 1 ? exp2_fma(x)
-                                                                                                 : fast_exp2(x);
+                        const float p = fast_exp2(x);
                         acc_s[mt][nt][e] = p;
                         sum += p;
                     }
@@ -137,13 +134,13 @@ struct OnlineSoftmax {
     }
 
     // All three steps, for a mainloop that owns acc_o synchronously.
-    template <int kFmaExpEvery = 0, int kNTiles, int kDTiles>
+    template <int kNTiles, int kDTiles>
     __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4],
                                            float (&acc_o)[kMTiles][kDTiles][4], float scale_log2) {
         float ratio[kMTiles][2];
         const bool unchanged = max_step(acc_s, ratio, scale_log2);
         rescale(acc_o, ratio, unchanged);
-        exp_step<kFmaExpEvery>(acc_s, scale_log2);
+        exp_step(acc_s, scale_log2);
     }
 
     // Divides acc_o by l and returns lse = m*scale + log(l) per row (-inf, with acc_o = 0, for a
@@ -156,7 +153,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = quad_allreduce_sum(row_sum[mt][half]);
-                // l >= 1 whenever the row saw a key (its maximum contributes exp2(0) = 1; 0.99993 through exp2_fma).
+                // l >= 1 whenever the row saw a key (its maximum contributes exp2(0) = 1).
                 const bool empty = l == 0.f;
                 const float inv_l = empty ? 0.f : 1.f / l;
                 lse[mt][half] = empty ? -INFINITY : fmaf(row_max[mt][half], scale, logf(l));
