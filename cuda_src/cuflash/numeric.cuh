@@ -1,5 +1,5 @@
-// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2 (MUFU), ceil_div; and opaque (an index the compiler cannot hoist from), conditional_t (a kernel's
-// mainloop per arch) and is_same_v.
+// Scalar numerics every kernel family shares: the one INFINITY, log2(e), the fast exp2 (MUFU), ceil_div; and
+// opaque (an index the compiler cannot hoist from), conditional_t (a kernel's mainloop per arch) and is_same_v.
 // NVRTC has no <math.h>, hence no INFINITY macro of its own; this is the only definition.
 #pragma once
 
