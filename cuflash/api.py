@@ -19,7 +19,7 @@ from .kernels import ProblemShape
 MAX_CACHED_PLANS = 4096
 _forward_plans: dict = {}
 _backward_plans: dict = {}
-_SCRATCH_FIELDS = launch.SCRATCH_FIELDS  # dq_accum, dk_accum, dv_accum, softmax_d, kv_blocks, q_blocks
+_SCRATCH_FIELDS = launch.SCRATCH_FIELDS  # dq_accum, dk_accum, dv_accum, softmax_d, lse_log2, kv_blocks, q_blocks
 #: The score options' arrays, in POINTER_FIELDS order: (option, index in its pair or None).
 _OPTION_ARRAYS = (("segment_ids", 0), ("segment_ids", 1), ("block_ids", 0), ("block_ids", 1), ("alibi_slopes", None))
 
@@ -349,9 +349,9 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
         else:
             with resolve_stream(stream):
                 view.fill(0)
-    block = (*pointers[:9], *scratch_pointers[:4], pointers[9])
+    block = (*pointers[:9], *scratch_pointers[:5], pointers[9])
     if option_pointers is not None:
-        block += (*option_pointers[:5], *scratch_pointers[4:])
+        block += (*option_pointers[:5], *scratch_pointers[5:])
         if len(option_pointers) > 5:  # bias, dbias, dbias_accum (a cached plan has none), bool mask
             block += (option_pointers[5][0], dbias_ptr, 0, option_pointers[5][1])
     plan.launch(block, _stream_ptr(stream))
@@ -398,7 +398,7 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             np_dtype = _np_dtype(dtype)
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
-                        *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:4]), 0 if dlse_d is None else dlse_d.ptr)
+                        *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:5]), 0 if dlse_d is None else dlse_d.ptr)
             if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
                 count = (launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None
                          else launch.OPTION_POINTERS)

@@ -140,16 +140,16 @@ _SCRATCH_ALIGNMENT = 256
 #: The pointer fields lead AttnParams, in this order (checked against the header by ``_pointer_prefix``):
 #: the operands, the fp32 scratch, dlse, then the score options' arrays and the general mask's lists.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "dk_accum", "dv_accum",
-                  "softmax_d", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
+                  "softmax_d", "lse_log2", "dlse", "q_segment_ids", "k_segment_ids", "q_block_ids", "k_block_ids",
                   "alibi_slopes", "kv_blocks", "q_blocks", "bias", "dbias", "dbias_accum", "mask", "cu_seqlens_q",
                   "cu_seqlens_k", "dropout_seed_ptr", "cache_seqlens", "block_table", "k_new", "v_new", "o_accum",
                   "lse_accum")
 #: How many of them a call without score options patches (the rest stay null).
-PLAIN_POINTERS = 14
+PLAIN_POINTERS = 15
 #: How many a cached call with score options patches; a call with a bias or a bool mask packs BIAS_MASK_POINTERS
 #: (through ``mask``). The packed-sequence offsets after them are never cached (the varlen calls validate every call).
-OPTION_POINTERS = 21
-BIAS_MASK_POINTERS = 25
+OPTION_POINTERS = 22
+BIAS_MASK_POINTERS = 26
 #: The bias's index among the pointer fields.
 _BIAS_POINTER = POINTER_FIELDS.index("bias")
 #: Every launch passes two parameters: the AttnParams block and the kernels' TmaParams (cuda_src/cuflash/
@@ -162,7 +162,7 @@ _MAPPED = (("q", 0), ("k", 1), ("v", 2), ("dout", 5))
 _NO_TMA = ctypes.create_string_buffer(TMA_PARAMS_BYTES + 64)
 _NO_TMA_ADDRESS = -(-ctypes.addressof(_NO_TMA) // 64) * 64
 #: The scratch buffers a call may carve from one allocation, by pointer field.
-SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "kv_blocks", "q_blocks")
+SCRATCH_FIELDS = ("dq_accum", "dk_accum", "dv_accum", "softmax_d", "lse_log2", "kv_blocks", "q_blocks")
 
 
 @functools.lru_cache(maxsize=None)

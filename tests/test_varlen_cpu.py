@@ -121,7 +121,7 @@ def test_packed_forward_addresses_packed_rows(gpu):
 def test_packed_backward_scratch_drops_the_batch_dim(gpu):
     q, k, v, cu_q, cu_k = packed(gpu, tq=50, tk=70, h=8, hk=2, d=128)
     shapes = cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, 30, 41, causal=False)
-    assert shapes["softmax_d"] == (8, 50)
+    assert shapes["softmax_d"] == shapes["lse_log2"] == (8, 50)
     # a row per (head, packed token), then one whole dK/dV query block of slack (backward.dq_accum_shape)
     assert shapes["dq_accum"] == (8 * 50 + 128, 128)
     for name in ("dk_accum", "dv_accum"):  # per-slot partials, when the plan keeps some

@@ -10,7 +10,8 @@
 // The dK/dV kernels hold S^T (rows = keys, columns = queries): lse and D are per column and are read in
 // pairs from small shared vectors where they are used, so neither holds registers across a GEMM. The dQ
 // kernel holds S (rows = queries): lse and D are per row, two per thread, kept in registers.
-// A row with lse = -inf (it sees no key) gets P = 0 exactly (lse_log2_offset), so does every masked score.
+// A row with lse = -inf (it sees no key) gets P = 0 exactly (lse_log2_offset: +inf; the dK/dV kernels read it
+// from the pre-pass's lse_log2, the dQ kernels convert their two rows), so does every masked score.
 #pragma once
 
 #include "cuflash/bwd_config.cuh"
@@ -19,7 +20,8 @@
 namespace cuflash {
 
 // P^T of the warp's 16 keys (from key_row0 within the block) x kNT*8 queries (from q_col0) of key block
-// key0 / query block query0, in place of S^T. s_lse: this thread's first lse pair in shared memory.
+// key0 / query block query0, in place of S^T. s_lse: this thread's first pair of lse_log2 (the pre-pass's
+// lse_log2_offset of lse) in shared memory.
 // kFullTile: the caller knows every pair of the tile to be visible, inside the sequences (a block list's full
 // entry): no mask code at all.
 template <typename Cfg, int kNT, typename BiasRef = BiasTileRef, bool kFullTile = false>
@@ -32,8 +34,8 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&a
     mod.apply_transposed(acc, aux, key_row, query_col, bias_tile);
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-        const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);
-        const float lse2[2] = {lse_log2_offset(l.x), lse_log2_offset(l.y)};
+        const float2 l = ld_shared_f32x2(s_lse + nt * 8 * 4);  // lse_log2_offset(lse), from the pre-pass
+        const float lse2[2] = {l.x, l.y};
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = acc[nt][e] * scale_log2 - lse2[e & 1];
     }

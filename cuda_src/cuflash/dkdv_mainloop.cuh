@@ -46,7 +46,7 @@ struct DkdvLoads {
     // Q, dO, lse, D (and a staged bias tile against keys key0 ..) of query block m into pipeline stage
     // `stage`. Inside the loop it is called with a SeqInfo of opaque (b, h) and an opaque tid: the pointers
     // are rebuilt from the constant-bank params on each call instead of holding registers across the loop.
-    // Rows past Sq: zero-filled (lse 0 there; the mask hides those queries).
+    // Rows past Sq: zero-filled (lse_log2 0 there; the mask hides those queries).
     // tiles = false: Q and dO come by TMA (the warp-specialized producer's thread 0); lse, D and the bias here.
     // threads: the threads sharing lse and D (fewer than kThreads where the warp-specialized producer gives a warp
     // to its dQ adds).
@@ -68,7 +68,7 @@ struct DkdvLoads {
                                                                     seq.dout<Elem>(p, q0), p.do_row_stride, rows,
                                                                     p.head_dim_v, tid);
         }
-        const float* lse_ptr = seq.lse_in(p, q0);
+        const float* lse_ptr = seq.lse_log2(p, q0);  // already the exp2-domain offset (the pre-pass)
         const float* dsum_ptr = seq.softmax_d(p, q0);
         for (int i = tid; i < Cfg::kBlockM; i += threads) {
             const bool valid = i < rows;

@@ -7,13 +7,13 @@
 // Layout conventions (all strides in elements, not bytes):
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, H, Dv): "bshd", the last
 //   dimension contiguous, every other stride free. dout/dq/dk/dv mirror o/q/k/v.
-//   lse, dlse (B, H, Sq) fp32 with rows contiguous; softmax_d (B, H, Sq) fp32 contiguous.
+//   lse, dlse (B, H, Sq) fp32 with rows contiguous; softmax_d and lse_log2 (B, H, Sq) fp32 contiguous.
 //   Scratch buffers are contiguous and padded to the variant's head-dim bucket kHeadDim:
 //   dq_accum (B, H, Sq, kHeadDim), dk_accum (B, H, Sk, kHeadDim), dv_accum (B, H, Sk, kHeadDim).
 //   Packed sequences (cu_seqlens_q / cu_seqlens_k set): q / o / dout / dq (Tq, H, D) and k / v / dk / dv
 //   (Tk, Hkv, D), whose batch strides the host sets to their row strides (SeqInfo's batch index is then the
 //   sequence's first packed row); lse / dlse (H, Tq) with batch stride 1; the scratch drops the batch dim:
-//   softmax_d (H, Tq), dq_accum (H, Tq, kHeadDim), dk_accum / dv_accum (H or slots, Tk, kHeadDim).
+//   softmax_d / lse_log2 (H, Tq), dq_accum (H, Tq, kHeadDim), dk_accum / dv_accum (H or slots, Tk, kHeadDim).
 #pragma once
 
 namespace cuflash {
@@ -36,6 +36,7 @@ struct AttnParams {
                         // a GQA group; else null (dK/dV go straight to dk / dv)
     float* dv_accum;    // fp32 dV partials, the same way
     float* softmax_d;   // rowsum(dO * O) - dlse, written by the backward pre-pass
+    float* lse_log2;    // lse in the exp2 domain (lse_log2_offset), written by the pre-pass for the dK/dV kernels
     const float* dlse;  // gradient flowing into lse, or null
     // Score options (null / 0 when off; cuflash/kernels/*.py select the variants that read them).
     const int* q_segment_ids;   // (B, Sq) int32, rows contiguous: query i sees key j only if ids are equal

@@ -147,6 +147,9 @@ struct SeqInfo {
     __device__ __forceinline__ float* softmax_d(const AttnParams& p, int row = 0) const {
         return p.softmax_d + q_scratch_row(p, h, row);
     }
+    __device__ __forceinline__ float* lse_log2(const AttnParams& p, int row = 0) const {
+        return p.lse_log2 + q_scratch_row(p, h, row);
+    }
     __device__ __forceinline__ float* dq_accum(const AttnParams& p, int row, int width) const {
         return p.dq_accum + q_scratch_row(p, h, row) * width;
     }

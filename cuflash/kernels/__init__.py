@@ -172,8 +172,8 @@ class Plan:
     """Launches in order, plus the fp32 scratch buffers they need.
 
     ``scratch`` maps an ``AttnParams`` pointer field (``"dq_accum"``, ``"dk_accum"``, ``"dv_accum"``,
-    ``"softmax_d"``, and the general mask's int32 block lists ``"kv_blocks"`` / ``"q_blocks"``) to the shape
-    of a contiguous buffer of 4-byte elements (float32 for the CPU-side allocations). Scratch arrives
+    ``"softmax_d"``, ``"lse_log2"``, and the general mask's int32 block lists ``"kv_blocks"`` / ``"q_blocks"``) to
+    the shape of a contiguous buffer of 4-byte elements (float32 for the CPU-side allocations). Scratch arrives
     uninitialized: the kernels initialize whatever they accumulate into.
     """
 
