@@ -5,7 +5,8 @@
 // (the -dlse folded into D is the gradient that reaches S through lse: d lse_i / d s_ij = P_ij).
 //
 // Kernels, in launch order (cuflash/kernels/backward.py plans them):
-//   flash_bwd_preprocess_kernel   softmax_d = rowsum(dO o O) - dlse; zeroes dq_accum on the atomic path.
+//   flash_bwd_preprocess_kernel   softmax_d = rowsum(dO o O) - dlse; lse_log2 = lse_log2_offset(lse) for the
+//                                 dK/dV kernels; zeroes dq_accum on the atomic path.
 //   flash_bwd_dkdv_kernel         one block per (key block, dkdv_heads query heads of a kv head, batch):
 //                                 K_j, V_j stay in shared memory and dK_j, dV_j in registers while the
 //                                 block walks every query block that sees them, for each of its heads
