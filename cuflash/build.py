@@ -86,6 +86,9 @@ class CompiledKernel:
     static_smem_bytes: int
     compile_seconds: float  # 0.0 when served from the disk cache
     cached: bool
+    # ptxas serialized the kernel's wgmma (advisory C7512: too few registers to keep them asynchronous): on
+    # sm_90a every warpgroup GEMM then waits for the one before it, a silent loss of its overlap.
+    wgmma_serialized: bool = False
 
 
 def _nvrtc():
@@ -153,6 +156,7 @@ def _ptxas_info(log_text: str) -> dict:
         "spill_loads": grab(r"(\d+) bytes spill loads"),
         "stack_bytes": grab(r"(\d+) bytes stack frame"),
         "static_smem_bytes": grab(r"(\d+) bytes smem"),
+        "wgmma_serialized": "C7512" in log_text,
     }
 
 
@@ -189,8 +193,8 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     key = cache_key(variant, arch)
     directory = cache_dir()
     cubin_path, meta_path = directory / f"{key}.cubin", directory / f"{key}.json"
-    if cubin_path.is_file() and meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text()) if cubin_path.is_file() and meta_path.is_file() else None
+    if meta is not None and "wgmma_serialized" in meta["ptxas"]:  # (entries from before that field: rebuilt)
         return CompiledKernel(variant, arch, str(cubin_path), meta["lowered_name"],
                               compile_seconds=0.0, cached=True, **meta["ptxas"])
 

@@ -45,5 +45,9 @@ def run_compile(archs, workers=None, prog=None) -> int:
             r = by_variant[variant]
             spill = r.spill_stores + r.spill_loads
             print(f"{build.render_name(variant):<96} {r.registers:>5} {variant.smem_bytes + r.static_smem_bytes:>7} "
-                  f"{spill:>6} {r.stack_bytes:>6} {r.compile_seconds:>5.1f}")
+                  f"{spill:>6} {r.stack_bytes:>6} {r.compile_seconds:>5.1f}"
+                  + ("  wgmma serialized (ptxas C7512)" if r.wgmma_serialized else ""))
+        serialized = sum(r.wgmma_serialized for r in results)
+        if serialized:
+            print(f"{arch}: {serialized} variants with their wgmma serialized (too few registers; see above)")
     return 1 if failed else 0

@@ -238,6 +238,34 @@ def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
     assert not over, over
 
 
+def _wgmma_variant(head_dim=128):
+    """The warp-specialized bf16 dK/dV kernel (wgmma on sm_90a) without a mask, with atomic dQ."""
+    return next(v for v in kernels.all_variants(90)
+                if v.name == "cuflash::flash_bwd_dkdv_kernel" and v.config.mainloop == 2
+                and v.config.dtype == "bfloat16" and v.config.head_dim == head_dim and v.config.mask == 0
+                and v.config.score_mod == 0 and v.config.atomic_dq)
+
+
+def test_wgmma_serialization_is_reported(source_copy):
+    """ptxas serializes a kernel's wgmma when it lacks the registers to keep them asynchronous (advisory C7512),
+    which costs the overlap the warpgroup GEMMs exist for and shows nowhere else. With the consumers of the
+    warp-specialized dK/dV kernel capped at 232 registers instead of 240 (session 32: its D128 key loop then went from
+    9 to 64 warpgroup waits), the build reports it."""
+    header = source_copy / "cuflash" / "dkdv_mainloop_sm90_ws.cuh"
+    text = header.read_text()
+    assert "kConsumerRegisters = 240;" in text
+    header.write_text(text.replace("kConsumerRegisters = 240;", "kConsumerRegisters = 232;"))
+    assert build.compile_variant(_wgmma_variant(), "sm_90a").wgmma_serialized
+
+
+def test_no_variant_serializes_its_wgmma():
+    """No sm_90a variant compiles with its wgmma serialized (ptxas C7512; see the test above)."""
+    results = build.precompile("sm_90a", [v for v in kernels.all_variants(90) if getattr(v.config, "mainloop", 0)])
+    assert results
+    serialized = sorted(build.render_name(r.variant) for r in results if r.wgmma_serialized)
+    assert not serialized, serialized
+
+
 _HEADER_PROBE = '''
 import dataclasses, sys, cupy
 from cuflash import build, params
