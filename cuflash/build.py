@@ -86,8 +86,9 @@ class CompiledKernel:
     static_smem_bytes: int
     compile_seconds: float  # 0.0 when served from the disk cache
     cached: bool
-    # ptxas serialized the kernel's wgmma (advisory C7512: too few registers to keep them asynchronous): on
-    # sm_90a every warpgroup GEMM then waits for the one before it, a silent loss of its overlap.
+    # ptxas serialized the kernel's wgmma (its "Potential Performance Loss" advisories: C7512, too few registers to
+    # keep them asynchronous; C7514, other instructions reading an accumulator in flight; ...): on sm_90a every
+    # warpgroup GEMM then waits for the one before it, a silent loss of its overlap.
     wgmma_serialized: bool = False
 
 
@@ -145,6 +146,10 @@ def cache_dir() -> Path:
         return fallback
 
 
+#: The version of what _ptxas_info reads from the compiler log; cache entries of another version are rebuilt.
+_PTXAS_RULES = 2
+
+
 def _ptxas_info(log_text: str) -> dict:
     def grab(pattern):
         match = re.search(pattern, log_text)
@@ -156,7 +161,7 @@ def _ptxas_info(log_text: str) -> dict:
         "spill_loads": grab(r"(\d+) bytes spill loads"),
         "stack_bytes": grab(r"(\d+) bytes stack frame"),
         "static_smem_bytes": grab(r"(\d+) bytes smem"),
-        "wgmma_serialized": "C7512" in log_text,
+        "wgmma_serialized": re.search(r"wgmma\S* instructions are serialized", log_text) is not None,
     }
 
 
@@ -194,7 +199,7 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     directory = cache_dir()
     cubin_path, meta_path = directory / f"{key}.cubin", directory / f"{key}.json"
     meta = json.loads(meta_path.read_text()) if cubin_path.is_file() and meta_path.is_file() else None
-    if meta is not None and "wgmma_serialized" in meta["ptxas"]:  # (entries from before that field: rebuilt)
+    if meta is not None and meta.get("ptxas_rules") == _PTXAS_RULES:  # (entries parsed by older rules: rebuilt)
         return CompiledKernel(variant, arch, str(cubin_path), meta["lowered_name"],
                               compile_seconds=0.0, cached=True, **meta["ptxas"])
 
@@ -219,7 +224,8 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     log.debug("compiled %s for %s in %.2f s", name, arch, seconds)
 
     # Write atomically: concurrent processes may build the same key.
-    for path, data in ((cubin_path, cubin), (meta_path, json.dumps({"lowered_name": lowered, "ptxas": info}).encode())):
+    meta_text = json.dumps({"lowered_name": lowered, "ptxas": info, "ptxas_rules": _PTXAS_RULES})
+    for path, data in ((cubin_path, cubin), (meta_path, meta_text.encode())):
         fd, tmp = tempfile.mkstemp(dir=directory)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

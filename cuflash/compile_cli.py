@@ -46,7 +46,7 @@ def run_compile(archs, workers=None, prog=None) -> int:
             spill = r.spill_stores + r.spill_loads
             print(f"{build.render_name(variant):<96} {r.registers:>5} {variant.smem_bytes + r.static_smem_bytes:>7} "
                   f"{spill:>6} {r.stack_bytes:>6} {r.compile_seconds:>5.1f}"
-                  + ("  wgmma serialized (ptxas C7512)" if r.wgmma_serialized else ""))
+                  + ("  wgmma serialized (ptxas advisory)" if r.wgmma_serialized else ""))
         serialized = sum(r.wgmma_serialized for r in results)
         if serialized:
             print(f"{arch}: {serialized} variants with their wgmma serialized (too few registers; see above)")

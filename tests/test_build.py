@@ -247,8 +247,8 @@ def _wgmma_variant(head_dim=128):
 
 
 def test_wgmma_serialization_is_reported(source_copy):
-    """ptxas serializes a kernel's wgmma when it lacks the registers to keep them asynchronous (advisory C7512),
-    which costs the overlap the warpgroup GEMMs exist for and shows nowhere else. With the consumers of the
+    """ptxas serializes a kernel's wgmma when, for one, it lacks the registers to keep them asynchronous (advisory
+    C7512), which costs the overlap the warpgroup GEMMs exist for and shows nowhere else. With the consumers of the
     warp-specialized dK/dV kernel capped at 232 registers instead of 240 (session 32: its D128 key loop then went from
     9 to 64 warpgroup waits), the build reports it."""
     header = source_copy / "cuflash" / "dkdv_mainloop_sm90_ws.cuh"
@@ -258,8 +258,21 @@ def test_wgmma_serialization_is_reported(source_copy):
     assert build.compile_variant(_wgmma_variant(), "sm_90a").wgmma_serialized
 
 
+def test_every_wgmma_serialization_advisory_is_read():
+    """ptxas words each reason its own way (C7512 registers, C7514 an accumulator read in flight, ...); the build
+    reads them all, and nothing else."""
+    lines = ["ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+             "to insufficient register resources for the wgmma pipeline in the function 'k'",
+             "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+             "to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the "
+             "pipeline stage in the function 'k'"]
+    for line in lines:
+        assert build._ptxas_info("ptxas info    : Used 168 registers\n" + line)["wgmma_serialized"], line
+    assert not build._ptxas_info("ptxas info    : Used 168 registers, 60 bytes spill stores")["wgmma_serialized"]
+
+
 def test_no_variant_serializes_its_wgmma():
-    """No sm_90a variant compiles with its wgmma serialized (ptxas C7512; see the test above)."""
+    """No sm_90a variant compiles with its wgmma serialized (ptxas's advisories; see the tests above)."""
     results = build.precompile("sm_90a", [v for v in kernels.all_variants(90) if getattr(v.config, "mainloop", 0)])
     assert results
     serialized = sorted(build.render_name(r.variant) for r in results if r.wgmma_serialized)
