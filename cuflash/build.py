@@ -89,7 +89,7 @@ class CompiledKernel:
     # ptxas serialized the kernel's wgmma (its "Potential Performance Loss" advisories: C7512, too few registers to
     # keep them asynchronous; C7514, other instructions reading an accumulator in flight; ...): on sm_90a every
     # warpgroup GEMM then waits for the one before it, a silent loss of its overlap.
-    wgmma_serialized: bool = False
+    wgmma_serialized: bool
 
 
 def _nvrtc():

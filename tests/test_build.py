@@ -238,11 +238,11 @@ def test_every_variant_compiles_without_spills_in_hot_kernels(arch):
     assert not over, over
 
 
-def _wgmma_variant(head_dim=128):
-    """The warp-specialized bf16 dK/dV kernel (wgmma on sm_90a) without a mask, with atomic dQ."""
+def _wgmma_variant():
+    """The warp-specialized bf16 D128 dK/dV kernel (wgmma on sm_90a) without a mask, with atomic dQ."""
     return next(v for v in kernels.all_variants(90)
                 if v.name == "cuflash::flash_bwd_dkdv_kernel" and v.config.mainloop == 2
-                and v.config.dtype == "bfloat16" and v.config.head_dim == head_dim and v.config.mask == 0
+                and v.config.dtype == "bfloat16" and v.config.head_dim == 128 and v.config.mask == 0
                 and v.config.score_mod == 0 and v.config.atomic_dq)
 
 
@@ -273,7 +273,7 @@ def test_every_wgmma_serialization_advisory_is_read():
 
 def test_no_variant_serializes_its_wgmma():
     """No sm_90a variant compiles with its wgmma serialized (ptxas's advisories; see the tests above)."""
-    results = build.precompile("sm_90a", [v for v in kernels.all_variants(90) if getattr(v.config, "mainloop", 0)])
+    results = build.precompile("sm_90a")  # every variant (CI's compile step has them cached)
     assert results
     serialized = sorted(build.render_name(r.variant) for r in results if r.wgmma_serialized)
     assert not serialized, serialized
