@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     compile_parser.add_argument("--arch", action="append",
                                 help="target, e.g. sm_80 or sm_90a (repeatable; default: the current GPU's)")
     compile_parser.add_argument("--workers", type=int, default=None, help="parallel compiles (default: cores)")
+    compile_parser.add_argument("--match", default=None, metavar="REGEX",
+                                help="only the variants whose kernel name (template arguments included, as printed) "
+                                     "this regular expression matches, e.g. '__nv_bfloat16, 128,'")
     sub.add_parser("bench", help="benchmark against every installed peer on this GPU", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "compile":
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .compile_cli import run_compile
 
-        return run_compile(args.arch, args.workers, prog=prog)
+        return run_compile(args.arch, args.workers, prog=prog, match=args.match)
     bench = load_bench()
     if bench is None:
         print(f"{prog} bench runs benchmarks/bench.py of a cuflash source checkout, and there is "

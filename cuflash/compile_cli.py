@@ -1,7 +1,8 @@
-"""``python -m cuflash compile``: build every kernel variant and print its resources."""
+"""``python -m cuflash compile``: build every kernel variant (or those a pattern names) and print its resources."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -16,7 +17,23 @@ def program_name(argv0: str | None = None) -> str:
     return stem if stem.startswith("cuflash") else "python -m cuflash"
 
 
-def run_compile(archs, workers=None, prog=None) -> int:
+def matching_variants(arch: str, match: str | None) -> list:
+    """Every variant the package can launch on ``arch``, or those whose rendered name ``match`` (a regular
+    expression, searched) finds."""
+    variants = kernels.all_variants(build.arch_number(arch))
+    if match is None:
+        return variants
+    pattern = re.compile(match)
+    return [v for v in variants if pattern.search(build.render_name(v))]
+
+
+def run_compile(archs, workers=None, prog=None, match=None) -> int:
+    if match is not None:
+        try:
+            re.compile(match)
+        except re.error as exc:
+            print(f"--match {match!r} is not a regular expression: {exc}", file=sys.stderr)
+            return 2
     if not archs:
         try:
             archs = [build.arch_of_compute_capability(build._current_compute_capability())]
@@ -27,7 +44,11 @@ def run_compile(archs, workers=None, prog=None) -> int:
     workers = workers or max(1, os.cpu_count() or 1)
     failed = 0
     for arch in archs:
-        variants = kernels.all_variants(build.arch_number(arch))
+        variants = matching_variants(arch, match)
+        if not variants:
+            print(f"{arch}: no variant matches --match {match!r}", file=sys.stderr)
+            failed += 1
+            continue
         start = time.perf_counter()
         try:
             results = build.precompile(arch, variants, workers=workers)

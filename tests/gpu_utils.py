@@ -854,15 +854,22 @@ def _as_stream(stream):
 @functools.lru_cache(maxsize=None)
 def precompile_once() -> str:
     """Compile every kernel variant once per process, in parallel (``cuflash.build.precompile``), so
-    tests pay no serial compile time. ``CUFLASH_TEST_PRECOMPILE=0`` skips it (compile on first use).
+    tests pay no serial compile time. ``CUFLASH_TEST_PRECOMPILE=0`` skips it (compile on first use); any
+    other value but 1 is a regular expression, and only the variants whose rendered name it matches are
+    compiled first (as ``python -m cuflash compile --match``): a few selected tests on a fresh machine need not
+    wait for all of them (about 5 minutes on 16 cores; three shards each compiling all of them side by side
+    ran out a 9-minute budget with no test run, session 34).
     A failure is reported, not raised: the tests of the broken variants fail with the real error."""
-    if os.environ.get("CUFLASH_TEST_PRECOMPILE", "1") == "0":
+    setting = os.environ.get("CUFLASH_TEST_PRECOMPILE", "1")
+    if setting == "0":
         return "precompile skipped (CUFLASH_TEST_PRECOMPILE=0)"
     from cuflash import build
+    from cuflash.compile_cli import matching_variants
 
     start = time.perf_counter()
     try:
-        results = build.precompile()
+        arch = build.arch_of_compute_capability(build._current_compute_capability())
+        results = build.precompile(arch, matching_variants(arch, None if setting == "1" else setting))
     except Exception as exc:  # noqa: BLE001 - reported; the affected tests fail with details
         message = f"cuflash.build.precompile() failed after {time.perf_counter() - start:.1f} s: {exc}"
         warnings.warn(message, stacklevel=2)
