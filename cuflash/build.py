@@ -233,18 +233,29 @@ def compile_variant(variant: KernelVariant, arch: str) -> CompiledKernel:
     return CompiledKernel(variant, arch, str(cubin_path), lowered, compile_seconds=seconds, cached=False, **info)
 
 
+def variants_matching(arch: str, match: str | None = None) -> list:
+    """Every variant the package can launch on ``arch``, or those whose rendered name ``match`` (a regular
+    expression, searched) finds: what ``cuflash compile --match`` and the GPU tests' CUFLASH_TEST_PRECOMPILE
+    pattern compile."""
+    from . import kernels
+
+    variants = kernels.all_variants(arch_number(arch))
+    if match is None:
+        return variants
+    pattern = re.compile(match)
+    return [v for v in variants if pattern.search(render_name(v))]
+
+
 def precompile(arch: str | None = None, variants=None, workers: int | None = None) -> list:
     """Compile many variants in parallel threads (all the package can launch on ``arch`` by default).
 
     ``arch`` defaults to the current device's. Returns the CompiledKernel list; raises CompileError
     after all finished if any failed.
     """
-    from . import kernels
-
     if arch is None:
         arch = arch_of_compute_capability(_current_compute_capability())
     if variants is None:
-        variants = kernels.all_variants(arch_number(arch))
+        variants = variants_matching(arch)
     workers = workers or max(1, os.cpu_count() or 1)
     results, failures = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:

@@ -6,7 +6,7 @@ import re
 import sys
 import time
 
-from . import build, kernels
+from . import build
 
 
 def program_name(argv0: str | None = None) -> str:
@@ -15,16 +15,6 @@ def program_name(argv0: str | None = None) -> str:
     name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
     stem = name[:-4] if name.lower().endswith(".exe") else name
     return stem if stem.startswith("cuflash") else "python -m cuflash"
-
-
-def matching_variants(arch: str, match: str | None) -> list:
-    """Every variant the package can launch on ``arch``, or those whose rendered name ``match`` (a regular
-    expression, searched) finds."""
-    variants = kernels.all_variants(build.arch_number(arch))
-    if match is None:
-        return variants
-    pattern = re.compile(match)
-    return [v for v in variants if pattern.search(build.render_name(v))]
 
 
 def run_compile(archs, workers=None, prog=None, match=None) -> int:
@@ -44,7 +34,7 @@ def run_compile(archs, workers=None, prog=None, match=None) -> int:
     workers = workers or max(1, os.cpu_count() or 1)
     failed = 0
     for arch in archs:
-        variants = matching_variants(arch, match)
+        variants = build.variants_matching(arch, match)
         if not variants:
             print(f"{arch}: no variant matches --match {match!r}", file=sys.stderr)
             failed += 1

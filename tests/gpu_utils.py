@@ -864,12 +864,11 @@ def precompile_once() -> str:
     if setting == "0":
         return "precompile skipped (CUFLASH_TEST_PRECOMPILE=0)"
     from cuflash import build
-    from cuflash.compile_cli import matching_variants
 
     start = time.perf_counter()
     try:
         arch = build.arch_of_compute_capability(build._current_compute_capability())
-        results = build.precompile(arch, matching_variants(arch, None if setting == "1" else setting))
+        results = build.precompile(arch, build.variants_matching(arch, None if setting == "1" else setting))
     except Exception as exc:  # noqa: BLE001 - reported; the affected tests fail with details
         message = f"cuflash.build.precompile() failed after {time.perf_counter() - start:.1f} s: {exc}"
         warnings.warn(message, stacklevel=2)

@@ -50,7 +50,7 @@ def test_gpu_tests_precompile_only_what_a_pattern_names(monkeypatch):
     """CUFLASH_TEST_PRECOMPILE: 1 (default) compiles every variant before the GPU tests, 0 none, and any other value
     is a pattern: only the variants whose rendered name it matches (tests/gpu_utils.py precompile_once)."""
     import gpu_utils as gu
-    from cuflash import build
+    from cuflash import build, kernels
 
     seen = []
     monkeypatch.setattr(build, "_current_compute_capability", lambda: 90)
@@ -61,7 +61,7 @@ def test_gpu_tests_precompile_only_what_a_pattern_names(monkeypatch):
     assert seen == [("sm_90a", ["cuflash::flash_bwd_preprocess_kernel<__half, 128, 64, 4>"])]
     monkeypatch.setenv("CUFLASH_TEST_PRECOMPILE", "1")
     gu.precompile_once.__wrapped__()
-    assert len(seen[-1][1]) == len(__import__("cuflash").kernels.all_variants(90))
+    assert len(seen[-1][1]) == len(kernels.all_variants(90))
     monkeypatch.setenv("CUFLASH_TEST_PRECOMPILE", "0")
     assert gu.precompile_once.__wrapped__() == "precompile skipped (CUFLASH_TEST_PRECOMPILE=0)"
     assert len(seen) == 2
