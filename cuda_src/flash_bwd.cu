@@ -97,7 +97,7 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
         if (row_ok && sub == 0) {
             *seq.softmax_d(params, row) = sum - (params.dlse != nullptr ? *seq.dlse(params, row) : 0.f);
-            if (params.lse_log2 != nullptr) *seq.lse_log2(params, row) = lse_log2_offset(*seq.lse_in(params, row));
+            *seq.lse_log2(params, row) = lse_log2_offset(*seq.lse_in(params, row));  // every plan sets lse_log2
         }
     }
     // dq_accum: this block's rows, and the sequence's last block also the rows up to the next multiple of

@@ -10,8 +10,8 @@
 // The dK/dV kernels hold S^T (rows = keys, columns = queries): lse and D are per column and are read in
 // pairs from small shared vectors where they are used, so neither holds registers across a GEMM. The dQ
 // kernel holds S (rows = queries): lse and D are per row, two per thread, kept in registers.
-// A row with lse = -inf (it sees no key) gets P = 0 exactly (lse_log2_offset: +inf; the dK/dV kernels read it
-// from the pre-pass's lse_log2, the dQ kernels convert their two rows), so does every masked score.
+// A row with lse = -inf (it sees no key) gets P = 0 exactly (lse_log2_offset: +inf; every kernel here reads it
+// from the pre-pass's lse_log2), so does every masked score.
 #pragma once
 
 #include "cuflash/bwd_config.cuh"

@@ -71,7 +71,7 @@ struct DqMainloopSm90 {
         for (int half = 0; half < 2; ++half) {
             const int row = query0 + row0 + (tid % 32) / 4 + half * 8;
             const bool ok = row < seq.seqlen_q;
-            lse2[half] = ok ? lse_log2_offset(*seq.lse_in(params, row)) : INFINITY;
+            lse2[half] = ok ? *seq.lse_log2(params, row) : INFINITY;  // the pre-pass's lse_log2_offset(lse)
             dsum[half] = ok ? *seq.softmax_d(params, row) : 0.f;
         }
         clear(acc_dq);
