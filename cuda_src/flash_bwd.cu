@@ -104,8 +104,9 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
     // kDqAccumBlockRows. The wgmma dK/dV kernel adds whole query blocks (up to that many rows) with no
     // bounds test (WgmmaDqStep::add): rows past the sequence belong to the next head or sequence, which
     // zeroes them too, or to the buffer's slack (backward.dq_accum_shape), and every add reads zeros.
+    // Not where the first add into each block stores instead (dq_order::first_store).
     const int row0 = blockIdx.x * kBlockM;
-    if (params.dq_accum != nullptr && row0 < seq.seqlen_q) {
+    if (params.dq_accum != nullptr && row0 < seq.seqlen_q && !dq_order::first_store(params)) {
         const int end = row0 + kBlockM >= seq.seqlen_q
                             ? (seq.seqlen_q + kDqAccumBlockRows - 1) / kDqAccumBlockRows * kDqAccumBlockRows
                             : row0 + kBlockM;
@@ -115,8 +116,8 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
             for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-    // The ordered dQ adds' counters of this (batch, head), when the plan asks for them (dq_order.cuh).
-    if (dq_order::enabled(params) && blockIdx.x == 0) {
+    // The dQ adds' counters of this (batch, head), when the plan asks for them (dq_order.cuh).
+    if (params.dq_order_offset != 0 && blockIdx.x == 0) {
         int* counters = dq_order::counters(params, blockIdx.z, blockIdx.y);
         for (int i = threadIdx.x; i < params.dq_order_blocks; i += kThreads) counters[i] = 0;
     }
@@ -208,8 +209,11 @@ flash_bwd_dq_kernel(const AttnParams params) {
 template <typename Elem, int kHeadDim, int kBlockM, int kNWarps, bool kSwizzledDq>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_bwd_convert_dq_kernel(const AttnParams params) {
+    // A query block no key block added into holds no sum where dq_accum was left unzeroed (dq_order.cuh); the
+    // plan makes the counters' blocks a multiple of kBlockM rows.
+    const bool untouched = dq_order::untouched(params, blockIdx.z, blockIdx.y, blockIdx.x * kBlockM);
     convert_dq_rows<Elem, kHeadDim, kBlockM, kNWarps * 32, kSwizzledDq>(params, SeqInfo(params, blockIdx.z, blockIdx.y),
-                                                                        blockIdx.x * kBlockM);
+                                                                        blockIdx.x * kBlockM, untouched);
 }
 
 // ---------------------------------------------------------------------------------------------------

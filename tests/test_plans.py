@@ -249,7 +249,9 @@ def test_dq_accum_slack_covers_every_dkdv_query_block(arch):
     shape = ProblemShape(2, 100, 90, 8, 2, 128, 128, "bfloat16", True)
     plan = backward.plan_backward(shape, arch, deterministic=False)
     scratch = dict(plan.scratch)
-    assert scratch["dq_accum"] == (2 * 8 * 100 + backward.DQ_ACCUM_BLOCK_ROWS, 128)
+    rows = 2 * 8 * 100 + backward.DQ_ACCUM_BLOCK_ROWS
+    counter_rows = 0 if arch != 90 else 1  # sm_90a: the first stores' 2 x 8 x 2 counters, one more row
+    assert scratch["dq_accum"] == (rows + counter_rows, 128)
     if not backward.ordered_dq_fits(arch, 128, shape.mask_kind, 0):  # else its ordered adds use dq_accum too
         assert "dq_accum" not in dict(backward.plan_backward(shape, arch, deterministic=True).scratch)
 
@@ -272,8 +274,39 @@ def test_deterministic_backward_orders_the_dq_adds_on_sm90(bucket, causal):
     assert fields["dq_order_offset"] == rows * width and fields["dq_order_blocks"] == blocks
     total_rows, total_width = dict(plan.scratch)["dq_accum"]
     assert total_width == width and (total_rows - rows) * width >= shape.batch * shape.num_heads * blocks
-    # The atomic backward keeps its unordered adds (no counters).
-    assert "dq_order_offset" not in dict(kernels.plan_backward(shape, 90, False).fields)
+    assert fields["dq_ordered"] == 1 and fields["dq_order_rows"] == dkdv.config.block_m
+    # The atomic backward: the same counters, for its first stores (unordered adds).
+    default = dict(kernels.plan_backward(shape, 90, False).fields)
+    assert default["dq_ordered"] == 0 and default["dq_order_offset"] == rows * width
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+@pytest.mark.parametrize("bucket", (64, 128, 256))
+@pytest.mark.parametrize("mask", ("none", "causal", "general", "packed"))
+@pytest.mark.parametrize("bias", (False, True))
+def test_default_backward_plans_first_stores_where_the_dq_is_staged(arch, bucket, mask, bias):
+    """The default backward's counters (dq_order.cuh's first stores: the pre-pass then leaves dq_accum unzeroed)
+    come exactly with a dK/dV kernel that stages its dQ tiles for the producer's bulk adds, on the batched layout:
+    a kernel that adds from registers (sm_80, the 8-warp wgmma one, D256's) needs a zeroed dq_accum. Their
+    blocks are whole blocks of the convert's rows, and the buffer holds them after dq_accum's rows and slack."""
+    shape = ProblemShape(2, 300, 277, 4, 2, bucket, bucket, "bfloat16", mask == "causal",
+                         general_mask=mask in ("general", "packed"), packed=mask == "packed", total_q=600,
+                         total_k=554, score_mod=kernels.MOD_BIAS if bias else 0)
+    try:
+        plan = kernels.plan_backward(shape, arch, False)
+    except ValueError:  # a bias this arch / head dim has no kernel for
+        return
+    dkdv = next(launch.variant for launch in plan.launches if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
+    fields = dict(plan.fields)
+    staged = backward.stages_dq(dkdv) and mask != "packed"
+    assert ("dq_order_offset" in fields) == staged
+    if staged:
+        assert arch == 90 and fields["dq_ordered"] == 0
+        assert fields["dq_order_rows"] == dkdv.config.block_m and dkdv.config.block_m % backward.SMALL_BLOCK_ROWS == 0
+        rows, width = backward.dq_accum_shape(shape, bucket)
+        total_rows, _ = dict(plan.scratch)["dq_accum"]
+        assert fields["dq_order_offset"] == rows * width
+        assert (total_rows - rows) * width >= 2 * 4 * fields["dq_order_blocks"]
 
 
 @pytest.mark.parametrize("arch, bucket, general, packed", [(80, 128, False, False), (90, 256, False, False),

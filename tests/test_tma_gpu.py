@@ -172,3 +172,36 @@ def test_deterministic_dq_adds_same_bits_on_their_own_warp(p, monkeypatch):
     names = ("out", "lse", "dq", "dk", "dv", "dbias")
     for name, a, b in zip(names, own_warp, load_thread):
         assert gu.bit_identical(a, b), f"{name} differs between the dQ adds on their own warp and on the load thread"
+
+
+FIRST_STORE_PROBLEMS = [
+    # Causal with more queries than keys (bottom-right aligned): the first 270 rows, four whole 64-row blocks, see no
+    # key, so no dQ add reaches them and the convert must write their zeros itself.
+    Problem("bf16", B=2, Sq=400, Sk=130, H=4, Hkv=2, D=128, causal=True),
+    Problem("fp16", B=1, Sq=700, Sk=200, H=2, Hkv=1, D=64, causal=True),  # D64: 128-row blocks
+    Problem("bf16", B=2, Sq=400, Sk=130, H=4, Hkv=2, D=128, causal=True, deterministic=True),
+    # A run of query rows whose id no key has (whole blocks skipped by the key blocks' lists), odd lengths.
+    Problem("bf16", B=2, Sq=701, Sk=650, H=3, Hkv=1, D=128, segments="qonly"),
+    Problem("fp16", B=2, Sq=333, Sk=301, H=4, Hkv=2, D=64, window=(50, 0)),
+    # Many key blocks adding into each query block (the waits for the first store), a bias by TMA beside them.
+    Problem("bf16", B=2, Sq=257, Sk=1500, H=4, Hkv=1, D=64),
+    Problem("fp16", B=2, Sq=190, Sk=1000, H=4, Hkv=2, D=128, bias="full"),
+]
+
+
+@pytest.mark.parametrize("p", FIRST_STORE_PROBLEMS, ids=gu.problem_ids(FIRST_STORE_PROBLEMS))
+def test_first_dq_stores_against_float64(p):
+    """Where the warp-specialized dK/dV kernel finds Q / dO by TMA, the pre-pass leaves dq_accum (NaN-poisoned
+    here) unzeroed (cuda_src/cuflash/dq_order.cuh, first_store): each query block's first dQ add stores instead, the
+    default backward's other adds wait until that store is complete, and the convert writes zeros where no add
+    came. Against float64 (no NaN: every element written), with the plan checked to take that path."""
+    import numpy as np
+    from cuflash.params import params_dtype
+
+    x = gu.make_inputs(p)
+    api._backward_plans.clear()
+    gu.check_attention(p, inputs=x)
+    plans = list(api._backward_plans.values())
+    assert len(plans) == 1 and plans[0]._qkv_maps is not None, "this problem was meant to load Q / dO by TMA"
+    fields = np.frombuffer(plans[0].params, dtype=params_dtype())[0]
+    assert fields["dq_order_offset"] != 0 and fields["dq_ordered"] == int(p.deterministic)

@@ -1,9 +1,10 @@
-// Bulk asynchronous copies of sm_90a without a tensor map (cp.reduce.async.bulk: one contiguous run of
-// bytes): the warp-specialized dK/dV kernel's adds into dq_accum. The issuing thread owns its bulk groups:
-// bulk_commit() closes the ops it issued since its last commit; bulk_wait_read<N>() returns once at most N
-// of its groups still read shared memory (the source may then be overwritten), bulk_wait<N>() once at most
-// N are incomplete. Bytes written by st.shared reach a bulk op's read only after sm90::fence_proxy_async()
-// in the writing threads and a barrier (an mbarrier arrive / wait) between them and the issuing thread.
+// Bulk asynchronous copies of sm_90a without a tensor map (cp.reduce.async.bulk / cp.async.bulk: one contiguous
+// run of bytes): the warp-specialized dK/dV kernel's adds (and first stores) into dq_accum. The issuing thread
+// owns its bulk groups: bulk_commit() closes the ops it issued since its last commit; bulk_wait_read<N>()
+// returns once at most N of its groups still read shared memory (the source may then be overwritten),
+// bulk_wait<N>() once at most N are incomplete. Bytes written by st.shared reach a bulk op's read only after
+// sm90::fence_proxy_async() in the writing threads and a barrier (an mbarrier arrive / wait) between them and the
+// issuing thread.
 #pragma once
 
 #include "cuflash/wgmma_sm90.cuh"
@@ -16,6 +17,13 @@ namespace sm90 {
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, unsigned smem, unsigned bytes) {
     CUFLASH_SM90A_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
                       "r"(smem), "r"(bytes)
+                      : "memory");
+}
+
+// gmem[i] = smem[i] for the bytes / 4 floats (the first add into a block that was not zeroed: dq_order.cuh);
+// the same size and alignment rules.
+__device__ __forceinline__ void bulk_store_f32(float* gmem, unsigned smem, unsigned bytes) {
+    CUFLASH_SM90A_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem), "r"(bytes)
                       : "memory");
 }
 

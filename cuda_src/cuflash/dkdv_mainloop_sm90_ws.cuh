@@ -156,6 +156,10 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ bool ordered_dq(const AttnParams& params) {
         return kStagedDq && !kPacked && dq_order::enabled(params);
     }
+    // The default backward's first stores (dq_order.cuh): unordered adds, each query block's first one a store.
+    static __device__ __forceinline__ bool claimed_dq(const AttnParams& params) {
+        return kStagedDq && !kPacked && dq_order::claimed(params);
+    }
     // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
     // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
     // last-first, so a CTA only ever waits for a CTA dispatched before it, one step ahead of it.
@@ -187,17 +191,18 @@ struct DkdvMainloopSm90Ws {
         }
     }
 
-    // The ordered dQ adds on a thread of their own (lane 0 of the producer warpgroup's last warp, write_dq)
-    // instead of the thread that issues the loads: an ordered add waits for its turn and for its completion
-    // before passing the turn on, and on the load thread both held the next steps' loads (H200, session 25:
-    // without the waits for the turn the deterministic dK/dV still took 1.23-1.35x the atomic one's time at
-    // D128). With Q / dO by TMA and no bias copied by the producer's threads, whose loads assume all 128.
+    // The ordered dQ adds, and the claimed ones, on a thread of their own (lane 0 of the producer warpgroup's
+    // last warp, write_dq) instead of the thread that issues the loads: an ordered add waits for its turn and for
+    // its completion before passing the turn on, a claimed one for the first store or its own, and on the load
+    // thread those waits held the next steps' loads (H200, session 25: without the waits for the turn the
+    // deterministic dK/dV still took 1.23-1.35x the atomic one's time at D128). With Q / dO by TMA and no bias
+    // copied by the producer's threads, whose loads assume all 128 (claimed_dq implies both).
     static __device__ __forceinline__ bool dq_writer_warp(const AttnParams& params) {
         if constexpr (!kStagedDq) {
             return false;
         } else {
-            return ordered_dq(params) && params.qkv_tma != 0 &&
-                   !(Cfg::kBiasInDs && params.bias_staged && !params.bias_tma);
+            return claimed_dq(params) || (ordered_dq(params) && params.qkv_tma != 0 &&
+                                          !(Cfg::kBiasInDs && params.bias_staged && !params.bias_tma));
         }
     }
     // The producer threads that issue loads and arrive on kv_full / q_full.
@@ -270,7 +275,7 @@ struct DkdvMainloopSm90Ws {
             sm80::cp_async_wait<0>();
             sm90::fence_proxy_async();
             sm90::mbarrier_arrive(step == 0 ? kv_full(smem) : q_full(smem, (step - 1) % kStages));
-            if constexpr (kStagedDq && kEarlyDqRelease) {
+            if constexpr (kStagedDq && kEarlyDqRelease && !kWriter) {
                 if (step >= 3 && !ordered) release_dq(smem, step - 3);
             }
             if (step >= kStages) sm90::mbarrier_wait(q_empty(smem, s), (step / kStages - 1) & 1);
@@ -350,26 +355,64 @@ struct DkdvMainloopSm90Ws {
         float* rows =
             SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
         int* counter = dq_order::counters(params, b, head) + m_block;
-        dq_order::wait_turn(counter, add_rank(params, b, head, m_block, n_block));
+        const int rank = add_rank(params, b, head, m_block, n_block);
+        dq_order::wait_turn(counter, rank);
         // Only the sequence's rows (the batched layout's seqlen_q): the +-0 of the rows past it would land in the
-        // next head's first rows unordered, and could flip the sign of a zero there.
+        // next head's first rows unordered, and could flip the sign of a zero there. Rank 0 stores where the
+        // pre-pass left dq_accum unzeroed (dq_order::first_store).
         const int rows_in = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM);
-        sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
+        if (rank == 0 && dq_order::first_store(params)) {
+            sm90::bulk_store_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
+        } else {
+            sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), rows_in * Cfg::kHeadDim * 4);
+        }
         sm90::bulk_commit();
         sm90::bulk_wait<0>();
         dq_order::pass_turn(counter);
         sm90::mbarrier_arrive(dq_empty(smem, step & 1));
     }
 
-    // The writer thread's walk (dq_writer_warp): every step's ordered add, in the consumers' step order.
+    // A claimed add of step `step`'s tile (dq_order.cuh), by the writer thread: once staged, a ticket of the
+    // query block's counter; the first stores, and publishes the store once complete; the others add once it is
+    // published. Both only the sequence's rows: past them lie the next head's rows, not yet written, maybe.
+    // The tile goes back to the consumers once read.
+    static __device__ __forceinline__ void add_claimed(const AttnParams& params, int b, int m_block, int head,
+                                                       unsigned smem, int step) {
+        sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
+        float* rows =
+            SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
+        int* counter = dq_order::counters(params, b, head) + m_block;
+        const unsigned bytes = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM) * Cfg::kHeadDim * 4;
+        if (dq_order::claim(counter)) {
+            sm90::bulk_store_f32(rows, dq_tile(smem, step), bytes);
+            sm90::bulk_commit();
+            sm90::bulk_wait<0>();
+            dq_order::publish(counter);
+        } else {
+            dq_order::wait_ready(counter);
+            sm90::bulk_reduce_add_f32(rows, dq_tile(smem, step), bytes);
+            sm90::bulk_commit();
+            sm90::bulk_wait_read<0>();
+        }
+        sm90::mbarrier_arrive(dq_empty(smem, step & 1));
+    }
+
+    // The writer thread's walk (dq_writer_warp): every step's ordered or claimed add, in the consumers' step
+    // order; the claimed adds complete before the CTA (and its tiles) go.
     static __device__ __forceinline__ void write_dq(const AttnParams& params, int b, int h0, int num_m_blocks,
                                                     int num_steps, int n_block, const typename Cfg::Blocks& blocks,
                                                     unsigned smem) {
-        Cursor c = start(n_block, h0, num_m_blocks, true);
+        const bool ordered = ordered_dq(params);
+        Cursor c = start(n_block, h0, num_m_blocks, ordered);
         for (int step = 0; step < num_steps; ++step) {
-            add_ordered(params, b, blocks.block(c.index()), c.h, smem, step, n_block);
+            if (ordered) {
+                add_ordered(params, b, blocks.block(c.index()), c.h, smem, step, n_block);
+            } else {
+                add_claimed(params, b, blocks.block(c.index()), c.h, smem, step);
+            }
             c.advance();
         }
+        if (!ordered) sm90::bulk_wait<0>();
     }
 
     // The dQ tile of step `step` back to the consumers once its add (the one bulk add in flight) has read it

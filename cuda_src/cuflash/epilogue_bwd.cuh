@@ -209,11 +209,27 @@ struct DqEpilogue {
 // dq_accum_chunk's order, the warp-specialized dK/dV kernel's staged adds): one thread per 16 columns, the four
 // chunks that hold them (64 contiguous bytes), two 16-byte stores. (H100, session 20, ncu: 70.8 us against the
 // row-major form's 64.8 at B4 H16 S4k D128.)
+// `untouched`: no add reached these rows of a dq_accum the pre-pass left unzeroed (dq_order.cuh): dq = 0. The
+// "+ 0.f" makes a -0 sum +0, as the adds onto zeros did: a first store keeps a tile's -0 (a row that sees no key
+// has dS = +-0), so both ways give the same bits.
 template <typename Elem, int kHeadDim, int kRows, int kThreads, bool kSwizzledDq>
-__device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const SeqInfo& seq, int row0) {
+__device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const SeqInfo& seq, int row0,
+                                                bool untouched) {
     const float* acc = seq.dq_accum(params, 0, kHeadDim);
     Elem* dq = seq.dq<Elem>(params);
     const float scale = params.scale;
+    const auto scaled = [scale](float x) { return x * scale + 0.f; };
+    if (untouched) {
+        constexpr int kChunks = kHeadDim / 8;
+        for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+            const int row = row0 + i / kChunks;
+            const int c = i % kChunks;
+            if (row < seq.seqlen_q && c * 8 < params.head_dim) {
+                *reinterpret_cast<uint4*>(dq + row * params.dq_row_stride + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        return;
+    }
     if constexpr (!kSwizzledDq) {
         constexpr int kChunks = kHeadDim / 8;
         for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
@@ -223,10 +239,10 @@ __device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const 
             const float4* src = reinterpret_cast<const float4*>(acc + static_cast<long long>(row) * kHeadDim + c * 8);
             const float4 x = src[0], y = src[1];
             uint4 out;
-            out.x = ElemTraits<Elem>::pack2(x.x * scale, x.y * scale);
-            out.y = ElemTraits<Elem>::pack2(x.z * scale, x.w * scale);
-            out.z = ElemTraits<Elem>::pack2(y.x * scale, y.y * scale);
-            out.w = ElemTraits<Elem>::pack2(y.z * scale, y.w * scale);
+            out.x = ElemTraits<Elem>::pack2(scaled(x.x), scaled(x.y));
+            out.y = ElemTraits<Elem>::pack2(scaled(x.z), scaled(x.w));
+            out.z = ElemTraits<Elem>::pack2(scaled(y.x), scaled(y.y));
+            out.w = ElemTraits<Elem>::pack2(scaled(y.z), scaled(y.w));
             *reinterpret_cast<uint4*>(dq + row * params.dq_row_stride + c * 8) = out;
         }
     } else {
@@ -246,10 +262,10 @@ __device__ __forceinline__ void convert_dq_rows(const AttnParams& params, const 
             for (int h = 0; h < 2; ++h) {  // the head dim is a multiple of 8: each half wholly in or out
                 if (c * 16 + h * 8 >= params.head_dim) break;
                 uint4 out;
-                out.x = ElemTraits<Elem>::pack2(v[8 * h] * scale, v[8 * h + 1] * scale);
-                out.y = ElemTraits<Elem>::pack2(v[8 * h + 2] * scale, v[8 * h + 3] * scale);
-                out.z = ElemTraits<Elem>::pack2(v[8 * h + 4] * scale, v[8 * h + 5] * scale);
-                out.w = ElemTraits<Elem>::pack2(v[8 * h + 6] * scale, v[8 * h + 7] * scale);
+                out.x = ElemTraits<Elem>::pack2(scaled(v[8 * h]), scaled(v[8 * h + 1]));
+                out.y = ElemTraits<Elem>::pack2(scaled(v[8 * h + 2]), scaled(v[8 * h + 3]));
+                out.z = ElemTraits<Elem>::pack2(scaled(v[8 * h + 4]), scaled(v[8 * h + 5]));
+                out.w = ElemTraits<Elem>::pack2(scaled(v[8 * h + 6]), scaled(v[8 * h + 7]));
                 *reinterpret_cast<uint4*>(dq + row * params.dq_row_stride + c * 16 + h * 8) = out;
             }
         }

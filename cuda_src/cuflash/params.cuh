@@ -132,10 +132,13 @@ struct AttnParams {
     unsigned dropout_threshold;
     float dropout_rp;
     long long dropout_seed;
-    // The deterministic backward's ordered dQ adds (cuflash/dq_order.cuh): the counters' offset in floats from
-    // dq_accum (0: unordered) and counters per (batch, query head).
+    // The dQ adds' counters (cuflash/dq_order.cuh), one per (batch, query head, query block of the dK/dV tile):
+    // their offset in floats from dq_accum (0: none), counters per (batch, query head), query rows per counter,
+    // and what they count: 1 the deterministic backward's ordered adds, 0 the default backward's claims.
     long long dq_order_offset;
     int dq_order_blocks;
+    int dq_order_rows;
+    int dq_ordered;
     int bias_tma;  // 1: the launch's TmaParams hold the bias's tensor map (the warp-specialized sm_90a kernels
                    // then load its staged tiles by TMA: cuflash/tma_sm90.cuh)
     int qkv_tma;   // 1: they hold q's, k's and v's (the warp-specialized forward then loads Q / K / V by TMA)

@@ -2,11 +2,12 @@
 
 Launch order::
 
-    deterministic=False: preprocess (also zeroes dq_accum) -> dkdv<atomic dQ> -> convert_dq -> [reduce_dkdv]
+    deterministic=False: preprocess (zeroes dq_accum*) -> dkdv<atomic dQ> -> convert_dq -> [reduce_dkdv]
     deterministic=True:  preprocess -> dkdv<no dQ> -> dq                             -> [reduce_dkdv]
 
 On sm_90a the deterministic backward orders the dK/dV kernel's dQ adds instead where it can
 (:func:`ordered_dq_fits`), and at D256 the default backward takes the deterministic plan (:func:`split_dq`).
+(*) Not where the dK/dV kernel stores each query block's first dQ tile instead (:func:`dq_counters`).
 
 With GQA / MQA the dK/dV kernel runs one block per ``dkdv_heads`` query heads of a group (see
 :func:`dkdv_heads`: enough blocks to fill the GPU), keeping dK / dV in registers across those heads; when
@@ -619,8 +620,26 @@ def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
 
 
 def dq_order_counters(shape: ProblemShape, block_m: int) -> int:
-    """The ordered adds' counters per (batch, query head): one per query block of the dK/dV tile."""
+    """The dQ adds' counters per (batch, query head): one per query block of the dK/dV tile."""
     return _ceil_div(shape.seqlen_q, block_m)
+
+
+def dq_counters(shape: ProblemShape, bucket: int, dkdv: KernelVariant, ordered: bool) -> tuple:
+    """dq_accum with the dQ adds' counters after its rows and slack (int32 in float32 slots, rounded up to whole
+    rows; cuda_src/cuflash/dq_order.cuh), and the fields that locate them: for the ordered adds of the
+    deterministic backward, and for the default backward's first stores (on a warp-specialized dK/dV kernel that
+    stages its dQ, batched layout: stages_dq and not packed). With the counters, where the kernels find Q / dO
+    by TMA (no bias copied by the producer's threads), the pre-pass leaves dq_accum unzeroed, each query block's
+    first add stores, and the convert writes zeros where nothing was added (dq_order::first_store)."""
+    rows, width = dq_accum_shape(shape, bucket)
+    block_m = dkdv.config.block_m
+    if block_m % SMALL_BLOCK_ROWS:  # the convert tests one counter per block of its rows
+        raise AssertionError(f"dK/dV query blocks of {block_m} rows straddle the convert's {SMALL_BLOCK_ROWS}")
+    blocks_per_head = dq_order_counters(shape, block_m)
+    scratch = ("dq_accum", (rows + _ceil_div(shape.batch * shape.num_heads * blocks_per_head, width), width))
+    fields = [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head), ("dq_order_rows", block_m),
+              ("dq_ordered", int(ordered))]
+    return scratch, fields
 
 
 def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: int = 132) -> Plan:
@@ -660,13 +679,11 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
     # dq = scale * dq_accum, read in the order the dK/dV kernel's adds wrote (stages_dq); after an atomic dK/dV
     # kernel or ordered adds.
     convert = Launch(convert_dq_variant(dtype, bucket, stages_dq(dkdv)), (_ceil_div(sq, SMALL_BLOCK_ROWS), h, b))
-    if ordered:
-        # dq_accum's rows and slack, then the counters (int32 in float32 slots, rounded up to whole rows).
-        rows, width = dq_accum_shape(shape, bucket)
-        blocks_per_head = dq_order_counters(shape, dkdv.config.block_m)
+    if ordered or (not separate_dq and stages_dq(dkdv) and not shape.packed):
         launches.append(convert)
-        scratch.append(("dq_accum", (rows + _ceil_div(b * h * blocks_per_head, width), width)))
-        fields += [("dq_order_offset", rows * width), ("dq_order_blocks", blocks_per_head)]
+        accum, counter_fields = dq_counters(shape, bucket, dkdv, ordered)
+        scratch.append(accum)
+        fields += counter_fields
     elif separate_dq:
         dq = dq_variant(arch, dtype, bucket, mask, mod)
         if general:  # the key blocks of each query block
