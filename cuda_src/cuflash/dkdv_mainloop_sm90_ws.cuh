@@ -157,8 +157,10 @@ struct DkdvMainloopSm90Ws {
         return kStagedDq && !kPacked && dq_order::enabled(params);
     }
     // The default backward's first stores (dq_order.cuh): unordered adds, each query block's first one a store.
+    // Also the general masks' kernels (kPacked: they serve packed sequences too), where the plan asks for them on
+    // the batched layout.
     static __device__ __forceinline__ bool claimed_dq(const AttnParams& params) {
-        return kStagedDq && !kPacked && dq_order::claimed(params);
+        return kStagedDq && dq_order::claimed(params);
     }
     // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
     // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
@@ -379,10 +381,10 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ void add_claimed(const AttnParams& params, int b, int m_block, int head,
                                                        unsigned smem, int step) {
         sm90::mbarrier_wait(dq_full(smem, step & 1), (step >> 1) & 1);
-        float* rows =
-            SeqInfo::query_side<kPacked>(params, b, head).dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
+        const SeqInfo seq = SeqInfo::query_side<kPacked>(params, b, head);
+        float* rows = seq.dq_accum(params, m_block * Cfg::kBlockM, Cfg::kHeadDim);
         int* counter = dq_order::counters(params, b, head) + m_block;
-        const unsigned bytes = min(Cfg::kBlockM, params.seqlen_q - m_block * Cfg::kBlockM) * Cfg::kHeadDim * 4;
+        const unsigned bytes = min(Cfg::kBlockM, seq.seqlen_q - m_block * Cfg::kBlockM) * Cfg::kHeadDim * 4;
         if (dq_order::claim(counter)) {
             sm90::bulk_store_f32(rows, dq_tile(smem, step), bytes);
             sm90::bulk_commit();
