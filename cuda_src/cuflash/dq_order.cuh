@@ -18,9 +18,10 @@
 // leaves dq_accum as it is (zeroing it wrote the whole buffer once more, beside the pre-pass's reads of O and dO);
 // the first add into a query block stores its tile instead, every add covers its sequence's rows only (past them
 // lie the next head's rows, maybe not yet written), and the convert writes zeros for a block nobody added into
-// (its counter still 0). Ordered, rank 0 is first. Unordered (the default backward, params.dq_ordered 0), the counter counts claims: a key block takes a
-// ticket; ticket 0 stores, waits for the store to complete and sets kReady; the others wait for kReady before
-// their add. A ticket-0 holder is running and waits for nobody before kReady, so every wait ends.
+// (its counter still 0). Ordered, rank 0 is first. Unordered (the default backward, params.dq_ordered 0), the
+// counter counts claims: a key block takes a ticket; ticket 0 stores, waits for the store to complete and sets
+// kReady; the others wait for kReady before their add. A ticket-0 holder is running and waits for nobody before
+// kReady, so every wait ends.
 #pragma once
 
 #include "cuflash/params.cuh"
