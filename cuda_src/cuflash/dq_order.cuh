@@ -53,45 +53,42 @@ __device__ __forceinline__ int* counters(const AttnParams& p, int b, int h) {
            (static_cast<long long>(b) * p.num_heads + h) * p.dq_order_blocks;
 }
 
-// Spins until the counter reads `rank`; the adds it publishes are then visible to this thread's bulk ops.
-__device__ __forceinline__ void wait_turn(const int* counter, int rank) {
+// Spins until `done(counter's value)`; what the counter's releases published is then visible to this thread's
+// bulk ops.
+template <typename Done>
+__device__ __forceinline__ void wait_until(const int* counter, Done done) {
     int seen;
     while (true) {
         CUFLASH_SM90A_ASM("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-        if (seen == rank) break;
+        if (done(seen)) break;
         __nanosleep(32);
     }
     CUFLASH_SM90A_ASM("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// After this thread's bulk adds completed (bulk_wait<0>): publish them and pass the turn on.
-__device__ __forceinline__ void pass_turn(int* counter) {
+// After this thread's bulk ops completed (bulk_wait<0>): make them visible, then raise the counter by kAmount.
+template <int kAmount>
+__device__ __forceinline__ void release_add(int* counter) {
     CUFLASH_SM90A_ASM("fence.proxy.async.global;\n" ::: "memory");
-    CUFLASH_SM90A_ASM("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+    CUFLASH_SM90A_ASM("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "n"(kAmount) : "memory");
 }
 
-// A ticket of the counter: true for the first (which then stores, and publishes it).
+// Ordered: wait for the counter to read `rank`; once the add is complete, pass the turn on.
+__device__ __forceinline__ void wait_turn(const int* counter, int rank) {
+    wait_until(counter, [rank](int seen) { return seen == rank; });
+}
+__device__ __forceinline__ void pass_turn(int* counter) { release_add<1>(counter); }
+
+// Claimed: a ticket of the counter, true for the first (which then stores); once its store is complete it sets
+// kReady, which the others wait for.
 __device__ __forceinline__ bool claim(int* counter) {
     int old;
     CUFLASH_SM90A_ASM("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
     return old == 0;
 }
-
-// After the first store completed (bulk_wait<0>): make it visible, then set kReady.
-__device__ __forceinline__ void publish(int* counter) {
-    CUFLASH_SM90A_ASM("fence.proxy.async.global;\n" ::: "memory");
-    CUFLASH_SM90A_ASM("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "n"(kReady) : "memory");
-}
-
-// Spins until the first store is published; it is then visible to this thread's bulk ops.
+__device__ __forceinline__ void publish(int* counter) { release_add<kReady>(counter); }
 __device__ __forceinline__ void wait_ready(const int* counter) {
-    int seen;
-    while (true) {
-        CUFLASH_SM90A_ASM("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-        if (seen & kReady) break;
-        __nanosleep(32);
-    }
-    CUFLASH_SM90A_ASM("fence.proxy.async.global;\n" ::: "memory");
+    wait_until(counter, [](int seen) { return (seen & kReady) != 0; });
 }
 
 // Whether no key block added into the query block of `row` (batch b, query head h): its dq is 0.
