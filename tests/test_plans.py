@@ -174,11 +174,11 @@ def test_long_key_tma_test_problems_plan_the_80_key_tile(dims):
 
 
 def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
-    """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: min(pairs, SMs) CTAs walk pairs of a head's
-    j-th longest and j-th shortest query blocks (equal work); causal heads of more than
-    PAIRED_MAX_QUERY_BLOCKS query blocks: one CTA per tile in a one-dimensional grid; the general mask
-    (uneven tiles, packed sequences too): min(tiles, SMs) CTAs taking tiles from a queue; other mainloops keep
-    the (query blocks, H, B) grid."""
+    """Unmasked: min(tiles, SMs) CTAs walk the tiles; causal: where the tiles fit one wave, one CTA per tile,
+    else min(pairs, SMs) CTAs walk pairs of a head's j-th longest and j-th shortest query blocks (equal work);
+    causal heads of more than PAIRED_MAX_QUERY_BLOCKS query blocks: one CTA per tile in a one-dimensional grid;
+    the general mask (uneven tiles, packed sequences too): min(tiles, SMs) CTAs taking tiles from a queue; other
+    mainloops keep the (query blocks, H, B) grid."""
     from cuflash.kernels import forward
 
     def grid(causal, seqlen=1024, batch=16, heads=16, head_dim=128, arch=90, num_sms=132):
@@ -189,8 +189,13 @@ def test_forward_grid_is_persistent_for_equal_tiles_and_causal_pairs():
     assert grid(False, num_sms=114) == (114, 1, 1)
     assert grid(False, seqlen=100, batch=1, heads=2) == (2, 1, 1)  # fewer tiles than SMs
     assert grid(True) == (132, 1, 1)  # 4 pairs x 256 heads
-    assert grid(True, seqlen=300, batch=1, heads=2) == (4, 1, 1)  # 3 query blocks: a pair and a middle one
+    assert grid(True, seqlen=300, batch=1, heads=2) == (6, 1, 1)  # 6 tiles, one wave: one CTA per tile
+    assert grid(True, seqlen=300, batch=1, heads=2, num_sms=4) == (4, 1, 1)  # a pair and a middle one a head
     assert grid(True, seqlen=128, batch=1, heads=2) == (2, 1, 1)  # one query block: single tiles
+    # MQA 8/1 D256 S1k B2 (the grid's cell): 128 tiles fit one wave, where 64 pairs would idle half the SMs
+    assert grid(True, batch=2, heads=8, head_dim=256) == (128, 1, 1)
+    assert grid(True, batch=4, heads=8, head_dim=256) == (128, 1, 1)  # 256 tiles, two waves: 128 pairs
+    assert grid(True, batch=5, heads=8, head_dim=256) == (132, 1, 1)  # 160 pairs: persistent over pairs
     assert grid(True, seqlen=64 * 128, batch=1, heads=16) == (132, 1, 1)  # 64 query blocks a head: pairs
     assert grid(True, seqlen=65 * 128, batch=1, heads=16) == (65 * 16, 1, 1)  # longer: one CTA per tile
     packed = kernels.ProblemShape(4, 1024, 1024, 16, 16, 128, 128, "bfloat16", True, packed=True, total_q=4096,

@@ -455,11 +455,14 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     D128 S16k fell 611 -> 404 (a static stride hands some CTAs only long tiles). So causal tiles go in pairs:
     a head's j-th longest and j-th shortest query blocks, whose key blocks add to about the same for every j;
     the grid is persistent over the pairs, min(pairs, SMs), and the kernel walks pairs whenever it has fewer
-    CTAs than tiles (FwdTiles). That pays where tiles are short, up to PAIRED_MAX_QUERY_BLOCKS per head; longer
-    heads keep one CTA per tile (measured below, at PAIRED_MAX_QUERY_BLOCKS). Under the general mask (packed
-    sequences too), whose tiles' work only the block lists know, min(tiles, SMs) CTAs take tiles from a queue
-    (an atomic counter after the lists: FwdUnitWalk in cuda_src/cuflash/fwd_mainloop_sm90_ws.cuh; session 12:
-    documents forward +12%, window +10%, against one CTA per tile)."""
+    CTAs than tiles (FwdTiles). That pays where tiles are short, up to PAIRED_MAX_QUERY_BLOCKS per head, and
+    where the tiles do not fit one wave: where they do, one CTA per tile ends with the longest tile, sooner than
+    the pairs (H200, session 36: MQA 8/1 D256 S1k B2 causal, 128 tiles of 1-8 key blocks against 64 pairs of 9,
+    forward 1.08x in three interleaved rounds, bit-identical outputs). Longer heads keep one CTA per tile
+    (measured below, at PAIRED_MAX_QUERY_BLOCKS). Under the general mask (packed sequences too), whose tiles'
+    work only the block lists know, min(tiles, SMs) CTAs take tiles from a queue (an atomic counter after the
+    lists: FwdUnitWalk in cuda_src/cuflash/fwd_mainloop_sm90_ws.cuh; session 12: documents forward +12%, window
+    +10%, against one CTA per tile)."""
     tiles = (_cdiv(shape.seqlen_q, config.block_m), shape.num_heads, shape.batch)
     if config.mainloop != MAINLOOP_SM90_WS:
         return tiles
@@ -471,8 +474,9 @@ def grid_for(config: FwdConfig, shape: ProblemShape, num_sms: int) -> tuple:
     if config.mask == MASK_NONE:
         return (max(1, min(count, num_sms)), 1, 1)
     if config.mask == MASK_CAUSAL and tiles[0] <= PAIRED_MAX_QUERY_BLOCKS:
-        pairs = (tiles[0] + 1) // 2 * tiles[1] * tiles[2]
-        return (max(1, min(pairs, num_sms)), 1, 1)
+        if count > num_sms:  # one wave of single tiles otherwise (the docstring)
+            pairs = (tiles[0] + 1) // 2 * tiles[1] * tiles[2]
+            return (min(pairs, num_sms), 1, 1)
     return (count, 1, 1)
 
 
