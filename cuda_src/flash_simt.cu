@@ -35,6 +35,7 @@
 // (CUFLASH_CHECK_SMEM_BYTES).
 
 #include "cuflash/params.cuh"
+#include "cuflash/dbias_order.cuh"
 #include "cuflash/seqlen.cuh"
 #include "cuflash/block.cuh"
 #include "cuflash/mask.cuh"
@@ -55,6 +56,7 @@ template <int kHeadDim_, int kBlockM_, int kBlockN_, int kMask_, int kScoreMod_>
 struct Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kMask = kMask_;  // MaskKind
+    static constexpr int kScoreMod = kScoreMod_;  // ScoreModKind
     static constexpr int kPitch = kHeadDim + kPad;  // row pitch of the (rows x kHeadDim) shared tiles
     using Cols = OutCols<kHeadDim>;
     using Mask = MaskOf<kMask>;
@@ -194,12 +196,23 @@ struct BwdMainloop {
             const int index = blocks.count() - 1 - step;  // ascending for both kinds of blocks
             const int start = blocks.block(index) * kTileCols;
             const int row0 = kKeyRows ? start : fixed0, col0 = kKeyRows ? fixed0 : start;
+            // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh): this
+            // step's, before the barrier below hands it to the CTA.
+            constexpr bool kOrderable = kKeyRows && dbias_order::orders(has_bias(Cfg::kScoreMod), Cfg::kMask);
+            if (kOrderable && dbias_order::enabled(params) && threadIdx.x == 0) {
+                dbias_order::wait_turn(params, seq.b, seq.h, blocks.block(index), fixed_block);
+            }
             // Every thread finished reading the last step's tiles (and its warp's rows of P / dS).
             __syncthreads();
             const SeqInfo streamed = streamed_seq();
             load_side<kKeyRows>(streamed, sm.step_s, sm.step_dp, start, true);
             if constexpr (kKeyRows) row_stats(streamed, lse, delta, row0);
             recompute(lse, delta, row0, col0, blocks.masked(index));
+            if (kOrderable && dbias_order::enabled(params)) {  // every thread's adds are visible: the next turn
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) dbias_order::pass_turn(params, seq.b, seq.h, blocks.block(index), fixed_block);
+            }
             __syncwarp();  // the rows just written are read back only by this warp
             if constexpr (kKeyRows) accumulate(acc[1], sm.p, sm.step_dp);  // dV += P^T dO
             accumulate(acc[0], sm.ds, sm.step_s);                          // dK += dS^T Q, or dQ += dS K

@@ -9,10 +9,12 @@ a check reads, so a cache hit can never skip a check whose outcome could differ.
 from __future__ import annotations
 
 import contextlib
+import math
 
 from . import launch, validation
 from .arrays import TensorDesc, array_key, describe, dtype_name, require_cuda, resolve_stream
-from .kernels import ProblemShape
+from . import kernels
+from .kernels import ProblemShape, is_general
 
 #: At most this many call plans per entry point; past it the cache starts over (a workload with that
 #: many distinct shapes is paying for planning anyway).
@@ -385,9 +387,9 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
         dv_d = _buffer(dv, "dv", vd.shape, dtype, dev, fill=zero)
         if dbias is not None and opts.bias is None:
             raise ValueError("dbias= was given but bias was not: pass the forward's bias")
-        bias_fields, dbias_d, dbias_accum = _dbias_buffers(opts, shape, dbias, dev, deterministic, no_work)
+        plan = None if no_work else launch.backward_plan(shape, dev, bool(deterministic))
+        bias_fields, dbias_d, dbias_accum = _dbias_buffers(opts, shape, dbias, dev, deterministic, no_work, plan)
         if not no_work:
-            plan = launch.backward_plan(shape, dev, bool(deterministic))
             # `owners` keeps freshly allocated scratch alive until the launches are enqueued; after
             # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
             scratch, owners = _scratch(plan, workspace, dev)
@@ -425,25 +427,30 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
     return grads
 
 
-def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic: bool, no_work: bool) -> tuple:
+def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic: bool, no_work: bool,
+                   plan=None) -> tuple:
     """``(params fields, dbias description, fp32 accumulator or None)`` for a backward with a bias.
 
     A bias with an element per (b, h, i, j) gets its gradient stored by the dK/dV kernels, each element
-    once (zero-filled first where a mask skips tiles). A broadcast bias gets fp32 atomic sums over its
-    broadcast dims in a zeroed accumulator of its own shape (never a dense (B, H, Sq, Sk) temporary), which
-    is then converted; atomics add in no fixed order, so deterministic=True refuses it."""
+    once (zero-filled first where a mask skips tiles). A broadcast bias gets fp32 sums over its broadcast
+    dims in a zeroed accumulator of its own shape (never a dense (B, H, Sq, Sk) temporary), which is then
+    converted: atomic adds, or with deterministic=True adds that take turns in a fixed order (counters
+    after the accumulator, cuda_src/cuflash/dbias_order.cuh), where :func:`_ordered_dbias_refusal` allows."""
     import cupy
 
     if opts.bias is None:
         return (), None, None
     bias = opts.bias
     full = opts.bias_is_full(shape)
-    if not full and deterministic and not no_work:
-        raise NotImplementedError(
-            f"deterministic=True with a bias of shape {tuple(bias.shape)}, which broadcasts to "
-            f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented: its dbias "
-            f"is summed with float atomics. Pass the bias expanded to the full shape (bias.expand(...)) or use "
-            f"deterministic=False")
+    ordered = not full and deterministic and not no_work
+    if ordered:
+        refusal = _ordered_dbias_refusal(opts, shape)
+        if refusal:
+            raise NotImplementedError(
+                f"deterministic=True with a bias of shape {tuple(bias.shape)}, which broadcasts to "
+                f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
+                f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
+                f"(bias.expand(...)) or use deterministic=False")
     if dbias is None:
         dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
     else:
@@ -466,11 +473,42 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         fields = dict(dbias=dbias_d.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1], dbias_row_stride=st[2],
                       dbias_col_stride=st[3])
         return tuple(fields.items()), dbias_d, None
-    accum = cupy.zeros(bias.shape, dtype=cupy.float32)
+    elements = math.prod(bias.shape)
+    order = {}
+    if ordered:  # the turns' counters after the accumulator, zeroed with it
+        dkdv = next(l.variant.config for l in plan.launches if l.variant.name in _DKDV_KERNELS)
+        # The kernels carry the turns where a deterministic plan runs them (dbias_order.cuh, dkdv_mainloop.cuh):
+        # the warp-specialized dK/dV kernel, or another one without the atomic dQ adds.
+        assert not getattr(dkdv, "atomic_dq", False) or dkdv.mainloop == kernels.backward.MAINLOOP_SM90_WS, dkdv
+        q_blocks, k_blocks = -(-shape.seqlen_q // dkdv.block_m), -(-shape.seqlen_k // dkdv.block_n)
+        order = dict(dbias_order_offset=elements, dbias_order_qblocks=q_blocks, dbias_order_kblocks=k_blocks)
+        storage = cupy.zeros(elements + bias.shape[0] * bias.shape[1] * q_blocks * k_blocks, dtype=cupy.float32)
+        accum = storage[:elements].reshape(bias.shape)
+    else:
+        accum = cupy.zeros(bias.shape, dtype=cupy.float32)
     st = [s // 4 if n > 1 else 0 for n, s in zip(accum.shape, accum.strides)]
     fields = dict(dbias_accum=accum.data.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1],
-                  dbias_row_stride=st[2], dbias_col_stride=st[3])
+                  dbias_row_stride=st[2], dbias_col_stride=st[3], **order)
     return tuple(fields.items()), dbias_d, accum
+
+
+_DKDV_KERNELS = ("cuflash::flash_bwd_dkdv_kernel", "cuflash::flash_bwd_dkdv_simt_kernel")
+
+
+def _ordered_dbias_refusal(opts, shape: ProblemShape) -> str:
+    """Why a deterministic backward cannot order the dbias adds of this broadcast bias ('' where it can): the
+    turns (cuda_src/cuflash/dbias_order.cuh) need each dK/dV CTA to add into a dbias element at most once per
+    query head, so the bias must have the scores' rows and keys (it may broadcast over the batch and the heads),
+    and every contributor must visit the same tiles: no mask but causal (the block lists of the general masks
+    and packed sequences differ by batch row)."""
+    bias = opts.bias
+    if (bias.shape[2], bias.shape[3]) != (shape.seqlen_q, shape.seqlen_k):
+        return "for a bias that broadcasts over the query rows or the keys"
+    if shape.packed:
+        return "for packed sequences"
+    if is_general(shape.mask_kind):
+        return "with window, segment ids, block ids, a bool mask or dropout"
+    return ""
 
 
 def _scratch(plan, workspace, device: int, shapes_from: str = "cuflash.backward_workspace") -> tuple:

@@ -98,6 +98,7 @@ BIAS_KINDS = {
     "full": "(B, H, Sq, Sk): one element per score, dbias stored directly",
     "heads": "(1, H, Sq, Sk): shared by the batch, dbias summed over it",
     "kv": "(B, Hkv, Sq, Sk): one per kv head, dbias summed over each GQA group",
+    "shared": "(1, 1, Sq, Sk): one for every batch row and head, dbias summed over both",
     "keys": "(B, 1, 1, Sk): a key-padding bias with some -inf keys",
     "rows": "(B, H, Sq, 1): one value per query row (cancels in the softmax: dbias ~ 0)",
     "expanded": "(1, H, Sq, Sk) broadcast_to (B, H, Sq, Sk): stride 0 over the batch, dbias full-shaped",
@@ -424,7 +425,8 @@ def draw_mask(rng, p: Problem) -> np.ndarray:
 def draw_bias(rng, p: Problem):
     """The bias of ``p`` (BIAS_KINDS[p.bias]) on the device, in the input dtype."""
     full = (p.B, p.H, p.Sq, p.Sk)
-    shape = {"heads": (1, p.H, p.Sq, p.Sk), "kv": (p.B, p.Hkv, p.Sq, p.Sk), "keys": (p.B, 1, 1, p.Sk),
+    shape = {"heads": (1, p.H, p.Sq, p.Sk), "kv": (p.B, p.Hkv, p.Sq, p.Sk), "shared": (1, 1, p.Sq, p.Sk),
+             "keys": (p.B, 1, 1, p.Sk),
              "rows": (p.B, p.H, p.Sq, 1), "expanded": (1, p.H, p.Sq, p.Sk)}.get(p.bias, full)
     host = rng.standard_normal(shape)
     if p.bias == "keys" and p.Sk > 1:

@@ -77,10 +77,12 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 #: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
 #: none, the short mode's 100 included; the session summary prints how many used each).
 OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5, "dropout": 5}
-#: Bias kinds by mode: deterministic=True takes only those with one element per score (a broadcast bias sums
-#: dbias with atomics and is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
-BIAS_ANY = ("full", "heads", "kv", "keys", "expanded", "neginf", "large")
+#: Bias kinds by mode: deterministic=True takes those with one element per score, and without a general mask
+#: (window, ids, bool mask, dropout) also those broadcast over the batch / heads, whose dbias adds then take
+#: turns (dbias_order.cuh; the rest is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
+BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "expanded", "neginf", "large")
 BIAS_FULL_SHAPE = ("full", "expanded", "neginf", "large")
+BIAS_ORDERED = BIAS_FULL_SHAPE + ("heads", "kv", "shared")
 # A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.
 WINDOW_SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 600))
 
@@ -104,6 +106,16 @@ def problems(draw):
                             st.floats(-2.5, -0.1), st.just(0.0)))
     scale = None if factor is None else round(factor / head_dim ** 0.5, 4)
     deterministic = draw(st.booleans())
+    window = _maybe(draw, "window", st.tuples(WINDOW_SIDES, WINDOW_SIDES))
+    # caps from strongly bending (logits of std ~1 .. 2.5) to nearly the identity
+    softcap = _maybe(draw, "softcap", st.floats(0.5, 50.0).map(lambda c: round(c, 2)))
+    alibi = _maybe(draw, "alibi", st.sampled_from(gu.ALIBI_KINDS))
+    segments = _maybe(draw, "segments", st.sampled_from(tuple(gu.SEGMENT_KINDS)))
+    blocks = _maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS)))
+    mask = _maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS)))
+    dropout = _maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85)))
+    general = any(option is not None for option in (window, segments, blocks, mask, dropout))
+    bias_kinds = BIAS_ANY if not deterministic else BIAS_FULL_SHAPE if general else BIAS_ORDERED
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),
@@ -118,15 +130,14 @@ def problems(draw):
         layout=draw(st.sampled_from(("bshd", "bshd", "bshd", "bhsd", "padded"))),
         deterministic=deterministic,
         dlse=draw(st.integers(0, 4)) == 0,
-        window=_maybe(draw, "window", st.tuples(WINDOW_SIDES, WINDOW_SIDES)),
-        # caps from strongly bending (logits of std ~1 .. 2.5) to nearly the identity
-        softcap=_maybe(draw, "softcap", st.floats(0.5, 50.0).map(lambda c: round(c, 2))),
-        alibi=_maybe(draw, "alibi", st.sampled_from(gu.ALIBI_KINDS)),
-        segments=_maybe(draw, "segments", st.sampled_from(tuple(gu.SEGMENT_KINDS))),
-        blocks=_maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS))),
-        bias=_maybe(draw, "bias", st.sampled_from(BIAS_FULL_SHAPE if deterministic else BIAS_ANY)),
-        mask=_maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS))),
-        dropout=_maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85))),
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
+        segments=segments,
+        blocks=blocks,
+        bias=_maybe(draw, "bias", st.sampled_from(bias_kinds)),
+        mask=mask,
+        dropout=dropout,
     )
 
 

@@ -95,15 +95,17 @@ def _option_problems():
 OPTION_PROBLEMS = _option_problems()
 
 #: The additive bias: every broadcast form (gpu_utils.BIAS_KINDS), -inf entries and rows, values of +-30,
-#: and with the other options. Broadcast forms sum dbias with atomics, so only "full" / "expanded" /
-#: "neginf" / "large" run deterministic (a broadcast bias with deterministic=True raises, tested below).
+#: and with the other options. Deterministic with a broadcast bias: the forms over the batch / heads ("heads",
+#: "kv", "shared") order their dbias adds (dbias_order.cuh) without a mask or causal; the others raise (below).
 BIAS_PROBLEMS = []
 for _i, (_kind, _fields) in enumerate((
         ("full", dict()), ("full", dict(causal=True, deterministic=True)), ("heads", dict(dlse=True)),
         ("kv", dict(causal=True)), ("keys", dict()), ("rows", dict(dlse=True)),
         ("expanded", dict(deterministic=True)), ("neginf", dict(dlse=True, deterministic=True)),
         ("large", dict(causal=True)), ("full", dict(softcap=3.0, alibi="bh")),
-        ("full", dict(window=(40, 6), segments="docs", deterministic=True)), ("heads", dict(blocks="blocks")))):
+        ("full", dict(window=(40, 6), segments="docs", deterministic=True)), ("heads", dict(blocks="blocks")),
+        ("heads", dict(deterministic=True)), ("kv", dict(causal=True, deterministic=True)),
+        ("shared", dict(causal=True, deterministic=True)), ("shared", dict(dlse=True)))):
     for _offset, _dtype in enumerate(DTYPES):
         _b, _sq, _sk, _h, _hkv, _d, _dv = SHAPES[(_i + 2 * _offset) % len(SHAPES)]
         BIAS_PROBLEMS.append(Problem(_dtype, B=_b, Sq=_sq, Sk=_sk, H=_h, Hkv=_hkv, D=_d, Dv=_dv, bias=_kind,
@@ -171,10 +173,10 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
 
 
 def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
-    """deterministic=True with a broadcast bias says it is not implemented (its dbias sums with atomics);
-    without a dbias buffer the backward allocates one equal to the buffered call's result; dbias= without
-    bias is refused."""
-    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="heads")
+    """deterministic=True with a bias broadcast over the keys (or the query rows, or under a general mask) says
+    it is not implemented (its dbias would sum with atomics); without a dbias buffer the backward allocates one
+    equal to the buffered call's result; dbias= without bias is refused."""
+    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="keys")
     x = gu.make_inputs(p)
     out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias)
     with pytest.raises(NotImplementedError, match="deterministic"):
@@ -330,6 +332,15 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=257, Sk=190, H=4, Hkv=2, D=128, causal=True, bias="full", softcap=4.0,
             deterministic=True, dlse=True),
     Problem("fp32", B=1, Sq=100, Sk=130, H=3, Hkv=1, D=64, bias="expanded", deterministic=True),
+    # Broadcast biases, their dbias adds taking turns (dbias_order.cuh): over the batch (the warp-specialized
+    # D128 dK/dV, its dQ adds ordered too, causal and unmasked), over each GQA group with a softcap, over the
+    # batch and every head (D256; an MQA group a dK/dV CTA may walk several heads of; the SIMT fp32 kernels).
+    Problem("bf16", B=3, Sq=300, Sk=300, H=4, Hkv=2, D=128, causal=True, bias="heads", deterministic=True),
+    Problem("bf16", B=2, Sq=333, Sk=290, H=4, Hkv=4, D=128, bias="shared", deterministic=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, bias="kv", softcap=3.0, deterministic=True),
+    Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="shared", deterministic=True),
+    Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="shared", deterministic=True, dlse=True),
+    Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", deterministic=True),
 )
 RUNS = 3
 

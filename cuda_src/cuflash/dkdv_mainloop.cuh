@@ -24,6 +24,7 @@
 
 #include "cuflash/bwd_config.cuh"
 #include "cuflash/bwd_probs.cuh"
+#include "cuflash/dbias_order.cuh"
 #include "cuflash/seqlen.cuh"
 
 namespace cuflash {
@@ -184,6 +185,14 @@ struct DkdvMainloop {
             const unsigned s_q = smem + Cfg::kOffQ + stage * TileQ::kBytes;
             const unsigned s_do = smem + Cfg::kOffDo + stage * TileQ::kBytes;
 
+            // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh): this
+            // step's, before the barrier below hands it to the CTA. (That backward runs this mainloop without
+            // the dQ adds: ordered dQ adds are the warp-specialized kernel's.)
+            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask) && !Cfg::kAtomicDq) {
+                if (dbias_order::enabled(params) && tid == 0) {  // (opaque: not hoisted and held across the loop)
+                    dbias_order::wait_turn(params, opaque(b), opaque(step_head), query0 / Cfg::kBlockM, n_block);
+                }
+            }
             // This block's tiles have landed, and every warp is done with step - 1 (so the other stage and
             // the P / dS tiles may be overwritten).
             sm80::cp_async_wait<0>();
@@ -203,6 +212,15 @@ struct DkdvMainloop {
                                     params.dbias_col_stride == 1;
             probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, stage, s_q, s_do, r,
                               dbias_tile, acc_s, acc_dp);
+            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask) && !Cfg::kAtomicDq) {
+                if (dbias_order::enabled(params)) {  // every thread's adds are visible: the next rank's turn
+                    __threadfence();
+                    __syncthreads();
+                    if (tid == 0) {
+                        dbias_order::pass_turn(params, opaque(b), opaque(step_head), query0 / Cfg::kBlockM, n_block);
+                    }
+                }
+            }
 
             // dV += P^T . dO (dropped probabilities as 0), dK += dS^T . Q, and with kAtomicDq dq_accum += dS . K.
             if constexpr (Cfg::Dropout::kEnabled) transform(acc_s, [](float x) { return fmaxf(x, 0.f); });

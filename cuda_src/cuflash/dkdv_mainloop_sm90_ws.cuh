@@ -40,6 +40,7 @@
 #pragma once
 
 #include "cuflash/bulk_sm90.cuh"
+#include "cuflash/dbias_order.cuh"
 #include "cuflash/dkdv_mainloop.cuh"
 #include "cuflash/dkdv_mainloop_sm90.cuh"
 #include "cuflash/dq_order.cuh"
@@ -64,6 +65,7 @@ struct DkdvMainloopSm90Ws {
     static_assert(kProducerRegisters % 8 == 0 && kProducerRegisters >= 24, "setmaxnreg takes multiples of 8");
     static constexpr int kDsBarrier = 1;  // named barrier: the consumers' dS^T tiles of a step written
     static constexpr int kKvFreeBarrier = 2;  // named barrier: the consumers' last reads of K / V done
+    static constexpr int kDbiasBarrier = 3;   // named barrier: the consumers' turn of ordered dbias adds
     static constexpr int kMTiles = Cfg::kMTiles, kDTiles = Cfg::kDTiles;
     static constexpr int kStages = 2;  // DkdvConfig's Q / dO / lse / D stages
     static constexpr bool kPacked = LayoutOf<Cfg::kMask>::value;
@@ -175,7 +177,9 @@ struct DkdvMainloopSm90Ws {
     // key blocks staggered a chunk apart.
     static __device__ __forceinline__ void grid_position(const AttnParams& params, int heads, int& n_block,
                                                          int& group, int& b) {
-        if (kCausalOrder ? !ordered_dq(params) : Cfg::kMask == kNoMask && ordered_dq(params)) {
+        // Ordered dbias adds rank the CTAs in the grid's own (batch, head) order (dbias_order.cuh).
+        if ((kCausalOrder ? !ordered_dq(params) : Cfg::kMask == kNoMask && ordered_dq(params)) &&
+            !(dbias_order::orders(Cfg::kBias, Cfg::kMask) && dbias_order::enabled(params))) {
             chunked_grid_order<Cfg::kHeadDim>(params.seqlen_q * heads, n_block, group, b);
         }
         n_block = key_block(params, n_block);
@@ -446,6 +450,13 @@ struct DkdvMainloopSm90Ws {
             const unsigned s_q = smem + Cfg::kOffQ + s * TileQ::kBytes;
             const unsigned s_do = smem + Cfg::kOffDo + s * TileQ::kBytes;
             sm90::mbarrier_wait(q_full(smem, s), (step / kStages) & 1);
+            // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh).
+            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask)) {
+                if (dbias_order::enabled(params)) {
+                    if (tid == 0) dbias_order::wait_turn(params, b, step_head, query0 / Cfg::kBlockM, n_block);
+                    sm90::named_barrier_sync(kDbiasBarrier, kConsumerThreads);
+                }
+            }
             const Role r(opaque(tid));
 
             float acc_s[kMTiles][4];
@@ -476,6 +487,13 @@ struct DkdvMainloopSm90Ws {
             } else {
                 Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
                                          r, dbias_tile, acc_s, acc_dp, BiasTileRef::none());
+            }
+            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask)) {
+                if (dbias_order::enabled(params)) {  // every consumer's adds are visible: the next rank's turn
+                    __threadfence();
+                    sm90::named_barrier_sync(kDbiasBarrier, kConsumerThreads);
+                    if (tid == 0) dbias_order::pass_turn(params, b, step_head, query0 / Cfg::kBlockM, n_block);
+                }
             }
 
             if constexpr (kExchange) {

@@ -142,6 +142,13 @@ struct AttnParams {
     int bias_tma;  // 1: the launch's TmaParams hold the bias's tensor map (the warp-specialized sm_90a kernels
                    // then load its staged tiles by TMA: cuflash/tma_sm90.cuh)
     int qkv_tma;   // 1: they hold q's, k's and v's (the warp-specialized forward then loads Q / K / V by TMA)
+    // The deterministic backward's ordered dbias adds (cuflash/dbias_order.cuh), for a bias broadcast over the
+    // batch and / or the heads only: int counters after dbias_accum's elements, one per (bias slice, query block,
+    // key block) of the dK/dV tile: their offset in floats from dbias_accum (0: unordered atomics), and the
+    // query / key blocks per slice.
+    long long dbias_order_offset;
+    int dbias_order_qblocks;
+    int dbias_order_kblocks;
 };
 
 // The warp-specialized forward's tile counter under the general mask: the int after the query-block lists
