@@ -89,6 +89,8 @@ def cases(quick: bool = False) -> list:
                  dtype, 2, 130, 131, 4, 2, 128, 128, True, True, False, "bias"),
             Case("broadcast bias (dbias atomics) + softcap, odd Sk (read directly)", dtype, 2, 99, 131, 4, 2, 64, 64,
                  False, False, False, "biasheads+softcap"),
+            Case("broadcast bias, deterministic: the dbias adds take turns (dbias_order.cuh), D 128, causal", dtype, 3,
+                 140, 150, 4, 2, 128, 128, True, True, False, "biasheads"),
             Case("full bias on the persistent warp-specialized forward: 140 tiles, staged bias tiles", dtype, 35, 70,
                  96, 4, 2, 128, 128, False, False, False, "bias"),
             Case("broadcast bias + documents: the tile queue with staged bias tiles, D 64", dtype, 12, 300, 296, 8, 2,
