@@ -278,11 +278,14 @@ def attention(q, k, v, *, scale=None, causal=False, deterministic=False, return_
 
 
 def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal=False,
-                       deterministic=False, dq=None, dk=None, dv=None, dbias=None, workspace=None, stream=None,
-                       **options):
+                       deterministic=False, dq=None, dk=None, dv=None, dbias=None, bias_grad=True, workspace=None,
+                       stream=None, **options):
     """Gradients of attention. Returns ``(dq, dk, dv)``, each in its input's shape and dtype (CuPy
     arrays, or the ``dq`` / ``dk`` / ``dv`` given), and ``dbias`` fourth (in the bias's own shape and
     dtype, summed over its broadcast dims; or the ``dbias`` buffer given) when ``bias`` is an option.
+    ``bias_grad=False``: the bias is a constant (an additive mask, a frozen bias): dbias is neither computed
+    nor returned, which saves its stores (or, for a broadcast bias, its float atomics) and lets
+    ``deterministic=True`` take any broadcast bias.
 
     ``out`` and ``lse`` are :func:`attention_forward`'s results for the same inputs and options.
     ``dlse`` ``(B, H, Sq)`` float32 is the gradient flowing into ``lse`` (ring / context-parallel
@@ -305,14 +308,14 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
         keys.append(_options_key(scale, causal, deterministic))
         option_key, option_pointers = _score_options_key(options) if options else (None, None)
         dbias_key, dbias_ptr = array_key(dbias)
-        key = (workspace is None, *keys, option_key, dbias_key)
+        key = (workspace is None, *keys, option_key, dbias_key, bool(bias_grad))
         plan = _backward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
         key = plan = None
     if plan is not None and launch.current_device() == plan.device:
         return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers, dbias, dbias_ptr)
     return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
-                     stream, options, key, dbias)
+                     stream, options, key, dbias, bias_grad=bias_grad)
 
 
 def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None,
@@ -362,7 +365,7 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
-              options, key, dbias=None, packed=None):
+              options, key, dbias=None, packed=None, bias_grad=True):
     """The validating backward; stores a CallPlan under ``key`` (when not None) for the next call.
     ``packed``: see :func:`_enter_call`."""
     with contextlib.ExitStack() as stack:
@@ -387,8 +390,12 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
         dv_d = _buffer(dv, "dv", vd.shape, dtype, dev, fill=zero)
         if dbias is not None and opts.bias is None:
             raise ValueError("dbias= was given but bias was not: pass the forward's bias")
+        if dbias is not None and not bias_grad:
+            raise ValueError("dbias= was given with bias_grad=False: pass one or the other")
+        with_dbias = opts.bias is not None and bool(bias_grad)
         plan = None if no_work else launch.backward_plan(shape, dev, bool(deterministic))
-        bias_fields, dbias_d, dbias_accum = _dbias_buffers(opts, shape, dbias, dev, deterministic, no_work, plan)
+        bias_fields, dbias_d, dbias_accum = (_dbias_buffers(opts, shape, dbias, dev, deterministic, no_work, plan)
+                                             if with_dbias else ((), None, None))
         if not no_work:
             # `owners` keeps freshly allocated scratch alive until the launches are enqueued; after
             # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
@@ -416,13 +423,13 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             # A bias is cached where the kernels make dbias by themselves: full-shape (each element stored once;
             # a hit zeroes it first where a mask skips tiles, as _dbias_buffers does). A broadcast bias (its
             # fp32 accumulator, then a conversion) validates every call.
-            cacheable = opts.bias is None or dbias_accum is None
-            if opts.bias is not None:  # what a hit allocates when dbias= is not given, and whether it zeroes it
+            cacheable = dbias_accum is None
+            if with_dbias:  # what a hit allocates when dbias= is not given, and whether it zeroes it
                 call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0)
             if key is not None and not switched and cacheable:
                 _remember(_backward_plans, key, call)
     grads = tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
-    if opts.bias is not None:
+    if with_dbias:
         grads += (dbias_d.array if dbias is None else dbias,)
     return grads
 

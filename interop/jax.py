@@ -22,7 +22,9 @@ at trace time and a compiled step only launches.
 Options (``scale``, ``causal``, ``deterministic`` ... see ``cuflash.attention``) are static: a new value
 traces a new function, like a ``static_argnames`` of ``jax.jit``. Options whose values are arrays (``bias``,
 ``mask``, ``segment_ids`` ...) are traced operands of the callbacks; ``bias`` gets its gradient from the
-core's ``dbias`` (``_GRADIENT_NAMES``), the others get none.
+core's ``dbias`` (``_GRADIENT_NAMES``) where it is differentiated, the others get none. A bias that is not
+(an additive mask, a constant or ``stop_gradient``-ed bias) costs the backward no dbias work: the backward
+then calls the core with ``bias_grad=False``.
 
 Dropout (``dropout_p``, ``seed``): an int seed is static (a new value traces again); for a seed that changes
 every step pass it as an array, e.g. ``jax.random.key_data(key)`` (two uint32), a traced operand the kernels
@@ -172,7 +174,6 @@ def _hashable(name: str, value: Any):
 @functools.lru_cache(maxsize=None)
 def _attention_fn(static: tuple, return_lse: bool):
     forward = _forward_op(static)
-    backward = _backward_op(static)
 
     @jax.custom_vjp
     def attention_vjp(q, k, v, arrays):
@@ -180,22 +181,25 @@ def _attention_fn(static: tuple, return_lse: bool):
         return (out, lse) if return_lse else out
 
     def attention_fwd(q, k, v, arrays):
-        # symbolic_zeros=True hands primals wrapped in CustomVJPPrimal.
+        # symbolic_zeros=True hands primals wrapped in CustomVJPPrimal, which say whether they are differentiated.
+        wanted = {name: None for name in _GRADIENT_NAMES if name in arrays and arrays[name].perturbed}
         q, k, v, arrays = jax.tree.map(
             lambda p: p.value, (q, k, v, arrays), is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
         )
         out, lse = forward(q, k, v, arrays)
-        return ((out, lse) if return_lse else out), (q, k, v, out, lse, arrays)
+        # `wanted` holds no arrays: its keys (the tree structure) carry which gradients the backward makes.
+        return ((out, lse) if return_lse else out), (q, k, v, out, lse, arrays, wanted)
 
     def attention_bwd(residuals, cotangent):
-        q, k, v, out, lse, arrays = residuals
+        q, k, v, out, lse, arrays, wanted = residuals
+        backward = _backward_op(static, tuple(sorted(wanted)))
         dout, dlse = cotangent if return_lse else (cotangent, None)
         if isinstance(dout, SymbolicZero):  # only lse is used downstream
             dout = jnp.zeros(dout.shape, dout.dtype)
         if isinstance(dlse, SymbolicZero):  # lse returned but unused: the plain backward, no dlse term
             dlse = None
         grads = backward(dout, q, k, v, out, lse, dlse, arrays)
-        d_arrays = {name: grads[_GRADIENT_NAMES[name]] if name in _GRADIENT_NAMES else None for name in arrays}
+        d_arrays = {name: grads[_GRADIENT_NAMES[name]] if name in wanted else None for name in arrays}
         return grads["dq"], grads["dk"], grads["dv"], d_arrays
 
     attention_vjp.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
@@ -375,15 +379,19 @@ def _forward_op(static: tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_op(static: tuple):
+@functools.lru_cache(maxsize=None)
+def _backward_op(static: tuple, wanted: tuple = tuple(_GRADIENT_NAMES)):
+    """The backward of ``static``'s options, making the gradients of the array options named in ``wanted``
+    (those given; a bias left out gets ``bias_grad=False``)."""
     options = dict(static)
-    callback = functools.partial(_backward_callback, options)
+    callback = functools.partial(_backward_callback, options, wanted)
 
     @custom_vmap
     def backward(dout, q, k, v, out, lse, dlse, arrays):
         cuflash.prepare(q, k, v, backward=True, **options, **arrays)
         grads = {"dq": _like(q), "dk": _like(k), "dv": _like(v)}
-        grads.update({grad: _like(arrays[name]) for name, grad in _GRADIENT_NAMES.items() if name in arrays})
+        grads.update({grad: _like(arrays[name]) for name, grad in _GRADIENT_NAMES.items()
+                      if name in arrays and name in wanted})
         workspace = {
             name: jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
             for name, shape in cuflash.backward_workspace(q, k, v, **options, **arrays).items()
@@ -507,11 +515,12 @@ def _forward_callback(options, ctx, outputs, q, k, v, arrays):
     _launch(cuflash.attention_forward, ctx, q, k, v, out=out, lse=lse, **options, **arrays)
 
 
-def _backward_callback(options, ctx, outputs, dout, q, k, v, out, lse, dlse, arrays):
+def _backward_callback(options, wanted, ctx, outputs, dout, q, k, v, out, lse, dlse, arrays):
     grads, workspace = outputs  # grads: dq, dk, dv (and dbias): the core's own keyword names
+    skip = {"bias_grad": False} if "bias" in arrays and "bias" not in wanted else {}
     _launch(
         cuflash.attention_backward, ctx, dout, q, k, v, out, lse,
-        dlse=dlse, workspace=workspace, **grads, **options, **arrays,
+        dlse=dlse, workspace=workspace, **grads, **options, **arrays, **skip,
     )
 
 

@@ -21,8 +21,10 @@ that compiles and loads the kernels and caches the per-shape workspace sizes, so
 allocates from torch and launches.
 
 Options are those of ``cuflash.attention``; they map onto the ops' arguments (``_OPTIONS``), a pair such as
-``window=(left, right)`` onto two. ``bias`` gets its gradient (``_DIFFERENTIABLE``), other tensor options
-none. ``return_lse=True`` also returns ``lse (batch, heads, seq_q)`` float32, differentiable.
+``window=(left, right)`` onto two. ``bias`` gets its gradient where it requires one; a bias with
+``requires_grad=False`` (an additive mask, a frozen bias) costs the backward no dbias work (the backward op's
+``bias_grad=False``). Other tensor options get none. ``return_lse=True`` also returns ``lse (batch, heads,
+seq_q)`` float32, differentiable.
 
 Packed variable-length sequences: ``varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, causal=True)`` (ops ``cuflash::varlen_attention_fwd`` / ``_bwd``, the same structure) with q
@@ -79,8 +81,9 @@ _PAIR_FORMS = {
 }
 _PAIRED = {half for pair in _PAIRS.values() for half in pair}
 _TENSOR_SLOTS = tuple(i for i, (_, kind, _) in enumerate(_OPTIONS) if kind == "Tensor?")
-# Tensor options with a gradient: when given, attention_bwd returns it after dq, dk, dv, in this order.
-_DIFFERENTIABLE = ("bias",)
+# The one tensor option with a gradient: when given and wanted (the backward op's bias_grad), attention_bwd
+# returns dbias after dq, dk, dv.
+_BIAS_SLOT = _OPTION_NAMES.index("bias")
 
 _DEFAULT_OP_OPTIONS = tuple(_DEFAULTS[name] for name in _OPTION_NAMES)
 
@@ -214,13 +217,12 @@ def _forward_outputs(q, v):
     return out, lse
 
 
-def _backward_outputs(q, k, v, op_options) -> list:
+def _backward_outputs(q, k, v, op_options, bias_grad: bool) -> list:
     # Gradients are contiguous whatever the inputs' strides (the fake kernels say the same).
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
-    for name in _DIFFERENTIABLE:
-        tensor = op_options[_OPTION_NAMES.index(name)]
-        if tensor is not None:
-            grads.append(tensor.new_empty(tensor.shape))
+    bias = op_options[_BIAS_SLOT]
+    if bias is not None and bias_grad:
+        grads.append(bias.new_empty(bias.shape))
     return grads
 
 
@@ -234,11 +236,14 @@ def _attention_fwd_fake(q, k, v, *op_options):
     return _forward_outputs(q, v)
 
 
-def _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options):
+def _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options, bias_grad: bool = True):
     options = _core_options(op_options)
-    grads = _backward_outputs(q, k, v, op_options)
+    grads = _backward_outputs(q, k, v, op_options, bias_grad)
     named = {"dq": grads[0], "dk": grads[1], "dv": grads[2]}
-    named.update(zip((f"d{name}" for name in _DIFFERENTIABLE if name in options), grads[3:]))
+    if len(grads) > 3:
+        named["dbias"] = grads[3]
+    elif "bias" in options:
+        named["bias_grad"] = False
     workspace = {
         name: torch.empty(shape, dtype=torch.float32, device=q.device)
         for name, shape in _workspace_shapes(q, k, v, op_options, options).items()
@@ -250,13 +255,15 @@ def _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options):
     return grads
 
 
-def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, *op_options):
-    return _backward_outputs(q, k, v, op_options)
+def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, *op_options, bias_grad: bool = True):
+    return _backward_outputs(q, k, v, op_options, bias_grad)
 
 
-def _define_ops(name: str, forward, forward_fake, backward, backward_fake, arguments: str):
+def _define_ops(name: str, forward, forward_fake, backward, backward_fake, arguments: str,
+                backward_arguments: str = ""):
     """The forward op ``cuflash::{name}_fwd`` (q, k, v, arguments -> out, lse) and its backward op
-    ``cuflash::{name}_bwd`` (dout, q, k, v, out, lse, dlse, arguments -> grads), with their fake kernels."""
+    ``cuflash::{name}_bwd`` (dout, q, k, v, out, lse, dlse, arguments, backward_arguments -> grads), with
+    their fake kernels."""
     forward_op = torch.library.custom_op(
         f"cuflash::{name}_fwd", forward, mutates_args=(),
         schema=f"(Tensor q, Tensor k, Tensor v, {arguments}) -> (Tensor, Tensor)",
@@ -264,14 +271,15 @@ def _define_ops(name: str, forward, forward_fake, backward, backward_fake, argum
     forward_op.register_fake(forward_fake)
     backward_op = torch.library.custom_op(
         f"cuflash::{name}_bwd", backward, mutates_args=(),
-        schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {arguments}) -> Tensor[]",
+        schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {arguments}"
+               f"{backward_arguments}) -> Tensor[]",
     )
     backward_op.register_fake(backward_fake)
     return forward_op, backward_op
 
 
 _forward_op, _backward_op = _define_ops("attention", _attention_fwd, _attention_fwd_fake, _attention_bwd,
-                                        _attention_bwd_fake, _OPTION_SCHEMA)
+                                        _attention_bwd_fake, _OPTION_SCHEMA, ", *, bool bias_grad=True")
 _FORWARD = torch.ops.cuflash.attention_fwd.default
 _BACKWARD = torch.ops.cuflash.attention_bwd.default
 
@@ -302,12 +310,12 @@ def _backward_with(backward_fn, ctx, dout, dlse):
     # Autograd may hand an expanded (stride 0) or permuted gradient, as out.sum() does: make it dense.
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.contiguous()
-    grads = backward_fn(dout, q, k, v, out, lse, dlse, *op_options)
-    extra = iter(grads[3:])
-    option_grads = [
-        next(extra) if name in _DIFFERENTIABLE and op_options[i] is not None else None
-        for i, name in enumerate(_OPTION_NAMES)
-    ]
+    # A bias nobody differentiates (requires_grad=False: an additive mask) gets no dbias work at all.
+    bias_grad = op_options[_BIAS_SLOT] is not None and ctx.needs_input_grad[3 + _BIAS_SLOT]
+    grads = backward_fn(dout, q, k, v, out, lse, dlse, *op_options, bias_grad=bias_grad)
+    option_grads = [None] * len(_OPTION_NAMES)
+    if bias_grad:
+        option_grads[_BIAS_SLOT] = grads[3]
     return (grads[0], grads[1], grads[2], *option_grads)
 
 

@@ -147,6 +147,7 @@ class Problem:
     segments: str | None = None  # SEGMENT_KINDS: how segment_ids are drawn; None = off
     blocks: str | None = None  # BLOCK_KINDS: how block_ids are drawn; None = off
     bias: str | None = None  # BIAS_KINDS: how the additive bias is drawn; None = off
+    bias_grad: bool = True  # False: the backward makes no dbias (attention_backward(bias_grad=False))
     mask: str | None = None  # MASK_KINDS: how the bool mask is drawn; None = off
     dropout: float | None = None  # dropout_p (the seed comes from the problem's id); None = off
 
@@ -202,7 +203,7 @@ class Problem:
         if self.blocks is not None:
             parts.append(f"blk{self.blocks}")
         if self.bias is not None:
-            parts.append(f"bias{self.bias}")
+            parts.append(f"bias{self.bias}" + ("" if self.bias_grad else "-nograd"))
         if self.mask is not None:
             parts.append(f"mask{self.mask}")
         if self.dropout is not None:
@@ -596,7 +597,9 @@ def run_cuflash(p: Problem, x: Inputs, *, backward: bool = True, stream=None,
         return result
     extra = {}
     names, buffers = ("dq", "dk", "dv"), [dq, dk, dv]
-    if x.bias is not None:
+    if x.bias is not None and not p.bias_grad:
+        extra["bias_grad"] = False
+    elif x.bias is not None:
         extra["dbias"] = nan_buffer(x.bias.shape, p.np_dtype)
         names, buffers = names + ("dbias",), buffers + [extra["dbias"]]
         if stream is not None:

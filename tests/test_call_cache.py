@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+import cupy  # noqa: E402
+
 import cuflash  # noqa: E402
 from cuflash import api, launch, validation  # noqa: E402
 from cuflash.arrays import describe  # noqa: E402
@@ -472,3 +474,31 @@ def test_launch_binds_the_context_where_the_thread_has_none(gpu, monkeypatch):
     with pytest.raises(Other):
         cuflash.attention_forward(q, k, v)
     assert bound == [0]
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 33, 47), (1, 4, 33, 47), (2, 1, 1, 47)])
+def test_a_backward_without_dbias_stores_none_and_is_cached(gpu, checks, monkeypatch, bias_shape):
+    """bias_grad=False (a bias that is a constant): three gradients, both dbias pointers null in every launch, no
+    fp32 accumulator, and a cached plan even for a broadcast bias; deterministic=True takes a keys-broadcast
+    bias (an additive padding mask), whose dbias it could not order. Asking for dbias= as well is an error."""
+    q, k, v = qkv(gpu)
+    zeroed = []
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=float: zeroed.append(shape) or gpu.array(shape, dtype))
+
+    def call(bias, **kwargs):
+        out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+        return cuflash.attention_backward(gpu.array((2, 33, 4, 64), BF16), q, k, v, out, lse, bias=bias,
+                                          deterministic=True, bias_grad=False, **kwargs)
+
+    bias = gpu.array(bias_shape, BF16)
+    grads = call(bias)
+    assert len(grads) == 3 and not zeroed
+    validated = checks["check_qkv"]
+    assert len(call(gpu.array(bias_shape, BF16))) == 3
+    assert checks["check_qkv"] == validated, "a backward without dbias validated again"
+    assert gpu.launches
+    for launch_ in gpu.launches:
+        ptrs = pointers_of(launch_[5])
+        assert ptrs["dbias"] == ptrs["dbias_accum"] == 0
+    with pytest.raises(ValueError, match="bias_grad=False"):
+        call(bias, dbias=gpu.array(bias_shape, BF16))

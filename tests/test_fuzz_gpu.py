@@ -80,6 +80,7 @@ OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5
 #: Bias kinds by mode: deterministic=True takes those with one element per score, and without a general mask
 #: (window, ids, bool mask, dropout) also those broadcast over the batch / heads, whose dbias adds then take
 #: turns (dbias_order.cuh; the rest is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
+#: A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes any kind in either mode.
 BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "expanded", "neginf", "large")
 BIAS_FULL_SHAPE = ("full", "expanded", "neginf", "large")
 BIAS_ORDERED = BIAS_FULL_SHAPE + ("heads", "kv", "shared")
@@ -115,7 +116,8 @@ def problems(draw):
     mask = _maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS)))
     dropout = _maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85)))
     general = any(option is not None for option in (window, segments, blocks, mask, dropout))
-    bias_kinds = BIAS_ANY if not deterministic else BIAS_FULL_SHAPE if general else BIAS_ORDERED
+    bias_grad = draw(st.integers(0, 3)) != 0
+    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_FULL_SHAPE if general else BIAS_ORDERED
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),
@@ -136,6 +138,7 @@ def problems(draw):
         segments=segments,
         blocks=blocks,
         bias=_maybe(draw, "bias", st.sampled_from(bias_kinds)),
+        bias_grad=bias_grad,
         mask=mask,
         dropout=dropout,
     )

@@ -189,16 +189,17 @@ class FakeCore:
         _np(lse)[...] = row_lse
 
     def attention_backward(self, dout, q, k, v, out, lse, *, dlse=None, dq, dk, dv, workspace, scale=None,
-                           causal=False, deterministic=False, dbias=None, stream=None, **options):
+                           causal=False, deterministic=False, dbias=None, bias_grad=True, stream=None, **options):
         self._check_options(options)
         options = {name: _host(value) for name, value in options.items()}
         self.calls.append(("backward", tuple(q.shape), dlse is not None))
-        self.options.append(("backward", {"scale": scale, "causal": causal, **options}))
+        self.options.append(("backward", {"scale": scale, "causal": causal, **options,
+                                          **({} if bias_grad else {"bias_grad": False})}))
         assert {name: _np(w).shape for name, w in workspace.items()} == self._workspace(q)
         assert all(_np(w).dtype == np.float32 for w in workspace.values())
         grads = reference.attention_backward(_f64(dout), _f64(q), _f64(k), _f64(v), dlse=_f64(dlse),
                                              scale=scale, causal=causal, **options)
-        assert (dbias is None) == ("dbias" not in grads)
+        assert (dbias is None) == ("dbias" not in grads or not bias_grad)
         for buffer, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"), (dbias, "dbias")):
             if buffer is not None:
                 _np(buffer)[...] = grads[name]
@@ -417,6 +418,37 @@ def test_jax_array_options_are_operands(jax_core):
 
     with pytest.raises(TypeError, match="hashable"):
         cfj.attention(q, k, v, window=[{}, None])
+
+
+def test_jax_bias_gradient_only_where_differentiated(jax_core):
+    """A bias that is not differentiated (not an argnum, or stop_gradient-ed) gets bias_grad=False in the core's
+    backward, so no dbias work; a differentiated one gets dbias. q's gradient is the same either way."""
+    import jax
+    import jax.numpy as jnp
+    import cuflash.interop.jax as cfj
+
+    q, k, v = _qkv()
+    bias = jnp.asarray(np.random.default_rng(5).standard_normal((2, 4, 5, 7)), jnp.float32)
+
+    def loss(attend, q, bias):
+        return jnp.sum(jnp.cos(attend(q, k, v, bias=bias, causal=True)))
+
+    reference = lambda *a, **o: _jax_reference(*a, **o)[0]
+    expected_dq, expected_dbias = jax.grad(lambda q, b: loss(reference, q, b), argnums=(0, 1))(q, bias)
+
+    dq = jax.jit(jax.grad(lambda q, b: loss(cfj.attention, q, b)))(q, bias)
+    _close(dq, expected_dq)
+    assert jax_core.options_of("backward")[-1]["bias_grad"] is False
+
+    dq, dbias = jax.jit(jax.grad(lambda q, b: loss(cfj.attention, q, b), argnums=(0, 1)))(q, bias)
+    _close(dq, expected_dq)
+    _close(dbias, expected_dbias)
+    assert "bias_grad" not in jax_core.options_of("backward")[-1]
+
+    stopped = jax.grad(lambda q, b: loss(cfj.attention, q, jax.lax.stop_gradient(b)), argnums=(0, 1))(q, bias)
+    _close(stopped[0], expected_dq)
+    assert not np.any(np.asarray(stopped[1]))
+    assert jax_core.options_of("backward")[-1]["bias_grad"] is False
 
 
 def _option_arrays(batch=2, seq_q=5, seq_k=7, heads=4, seed=4):
@@ -766,6 +798,53 @@ def test_torch_opcheck(cft, torch_core):
     torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse),
                            *cft._op_options({})))
+
+
+def test_torch_bias_gradient_only_where_required(cft, torch_core):
+    """A bias with requires_grad=False gets bias_grad=False in the core's backward (no dbias work) and no
+    .grad; one that requires grad gets dbias. Eager, torch.compile and opcheck agree."""
+    import torch
+
+    q, k, v = _torch_qkv(torch.float32)
+    bias = torch.randn(2, 4, 5, 7, dtype=torch.float32, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(2, 5, 4, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(7))
+    out = cft.attention(q, k, v, bias=bias, causal=True)
+    dq, dk, dv, ds = reference_backward(w.double().numpy(), *(x.detach().double().numpy() for x in (q, k, v)),
+                                        out.detach().double().numpy(), causal=True, bias=bias.double().numpy())
+
+    def check_q(x):
+        torch.testing.assert_close(x.double(), torch.from_numpy(dq), rtol=1e-5, atol=1e-5)
+
+    (out * w).sum().backward()
+    check_q(q.grad)
+    assert torch_core.options_of("backward")[-1]["bias_grad"] is False and bias.grad is None
+
+    q.grad = None
+    bias.requires_grad_(True)
+    (cft.attention(q, k, v, bias=bias, causal=True) * w).sum().backward()
+    check_q(q.grad)
+    torch.testing.assert_close(bias.grad.double(), torch.from_numpy(ds), rtol=1e-5, atol=1e-5)
+    assert "bias_grad" not in torch_core.options_of("backward")[-1]
+
+    def step(q, bias):
+        return (cft.attention(q, k, v, bias=bias, causal=True) * w).sum()
+
+    for needs in (False, True):
+        q.grad = None
+        b = bias.detach().requires_grad_(needs)
+        torch.compile(step, fullgraph=True, backend="aot_eager")(q, b).backward()
+        check_q(q.grad)
+        assert ("bias_grad" not in torch_core.options_of("backward")[-1]) == needs
+        assert (b.grad is not None) == needs
+
+    with torch.no_grad():
+        out, lse = cft.attention(q, k, v, bias=bias, return_lse=True)
+    options = cft._op_options({"bias": bias.detach()})
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, *options)
+    for needs in (False, True):
+        torch.library.opcheck(torch.ops.cuflash.attention_bwd.default, args, {"bias_grad": needs})
+        grads = torch.ops.cuflash.attention_bwd(*args, bias_grad=needs)
+        assert len(grads) == 3 + needs
 
 
 def _assert_compiled_matches_eager(step, q, k, v):

@@ -321,6 +321,32 @@ def test_bias_gets_its_gradient_in_jit(kind):
         assert _error(g, ref[name]) < TOLERANCE[jnp.bfloat16], name
 
 
+def test_a_bias_not_differentiated_is_a_constant():
+    """jit(grad) over q, k, v only, with a (1, 1, Sq, Sk) bias and deterministic=True under a window (whose dbias adds
+    could not be ordered): the backward makes no dbias (bias_grad=False); grads match float64 and repeat bit for
+    bit; bf16, GQA, odd sizes."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, w = _inputs(jnp.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                         head_dim=40, seed=23)
+    bias = jnp.asarray(np.random.default_rng(24).standard_normal((1, 1, seq_q, seq_k),
+                                                                dtype=np.float32)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def step(q, k, v, bias):
+        def loss(q, k, v):
+            out = cfj.attention(q, k, v, window=(9, 3), bias=bias, deterministic=True)
+            return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    first, second = step(q, k, v, bias), step(q, k, v, bias)
+    q64, k64, v64, b64 = (_f64(x) for x in (q, k, v, bias))
+    ref = reference.attention_backward(_f64(w), q64, k64, v64, window=(9, 3), bias=b64)
+    for name, g, again in zip(("dq", "dk", "dv"), first, second):
+        assert np.isfinite(_f64(g)).all(), name
+        assert _error(g, ref[name]) < TOLERANCE[jnp.bfloat16], name
+        assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(again).view(np.uint16)), name
+
+
 def test_bool_mask_in_jit():
     """A (B, 1, Sq, Sk) bool mask as a traced operand under jit(grad), bf16, against float64."""
     batch, seq_q, seq_k, heads = 2, 37, 53, 4

@@ -331,6 +331,39 @@ def test_bias_gets_its_gradient(kind, compiled):
         assert _error(x.grad, ref[name]) < TOLERANCE[torch.bfloat16], name
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_a_bias_without_grad_is_a_constant(compiled):
+    """An additive key-padding mask (B, 1, 1, Sk) with -inf keys and requires_grad=False, deterministic=True (which
+    would refuse to order its dbias adds): the backward makes no dbias (bias_grad=False), q / k / v grads match
+    float64 and repeat bit for bit, the bias gets no .grad; bf16, causal, GQA, odd sizes."""
+    batch, seq_q, seq_k, heads = 2, 37, 53, 4
+    q, k, v, dout = _inputs(torch.bfloat16, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=2,
+                            head_dim=40, seed=21)
+    g = torch.Generator().manual_seed(22)
+    bias = torch.randn((batch, 1, 1, seq_k), generator=g)
+    bias[0, 0, 0, 40:] = float("-inf")  # padded keys of batch row 0
+    bias = bias.to("cuda", torch.bfloat16)
+
+    def step(q, k, v):
+        return cft.attention(q, k, v, causal=True, bias=bias, deterministic=True)
+
+    run = torch.compile(step, fullgraph=True) if compiled else step
+    grads = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        out = run(q, k, v)
+        out.backward(dout)
+        grads.append([x.grad.clone() for x in (q, k, v)])
+    assert bias.grad is None
+    q64, k64, v64, bias64 = (_f64(x) for x in (q, k, v, bias))
+    ref = reference.attention_backward(_f64(dout), q64, k64, v64, causal=True, bias=bias64)
+    for name, first, second in zip(("dq", "dk", "dv"), *grads):
+        assert bool(torch.isfinite(first).all()), name
+        assert _error(first, ref[name]) < TOLERANCE[torch.bfloat16], name
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16)), name
+
+
 def test_bool_mask_under_compile():
     """A per-kv-head bool mask (no gradient) through torch.compile(fullgraph=True), bf16, against float64."""
     batch, seq_q, seq_k, heads = 2, 37, 53, 4

@@ -112,6 +112,14 @@ for _i, (_kind, _fields) in enumerate((
                                      **_fields))
 BIAS_PROBLEMS.append(Problem("bf16", B=2, Sq=1024, Sk=1024, H=4, Hkv=4, D=128, bias="full", causal=True))
 BIAS_PROBLEMS.append(Problem("fp16", B=1, Sq=700, Sk=900, H=8, Hkv=2, D=64, bias="kv", window=(200, 0)))
+# bias_grad=False: dq, dk, dv as with dbias, none written (a full-shape bias's stores and a broadcast one's
+# atomics both skipped), the warp-specialized and mma.sync dK/dV kernels and the SIMT fp32 one.
+BIAS_PROBLEMS += [
+    Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=2, D=128, bias="full", bias_grad=False, causal=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, bias="heads", bias_grad=False, softcap=3.0),
+    Problem("bf16", B=3, Sq=129, Sk=250, H=4, Hkv=1, D=256, bias="keys", bias_grad=False),
+    Problem("fp32", B=2, Sq=100, Sk=140, H=4, Hkv=2, D=64, bias="neginf", bias_grad=False, causal=True),
+]
 
 
 @pytest.mark.parametrize("p", BIAS_PROBLEMS, ids=gu.problem_ids(BIAS_PROBLEMS))
@@ -193,6 +201,31 @@ def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
                                    dbias=gu.nan_fill(cupy.empty_like(y.bias)))
     for name, u, w in zip(("dq", "dk", "dv", "dbias"), a, b, strict=True):
         assert gu.bit_identical(u, w), f"{name}: the self-allocating call differs from the buffered one"
+
+
+@pytest.mark.parametrize("kind,D,causal", [("full", 128, True), ("heads", 128, False), ("shared", 64, False)])
+def test_no_dbias_leaves_the_other_gradients_alone(kind, D, causal):
+    """bias_grad=False changes only whether dbias is made: dq, dk, dv are bit-identical to those of a
+    deterministic backward that makes it (a full-shape bias's tile stores, or a broadcast one's ordered adds,
+    skipped), and a repeated call takes the cached path even for a broadcast bias."""
+    from cuflash import api
+
+    p = Problem("bf16", B=2, Sq=190, Sk=257, H=4, Hkv=2, D=D, bias=kind, causal=causal)
+    x = gu.make_inputs(p)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias, causal=causal)
+
+    def backward(**kwargs):
+        return cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, causal=causal,
+                                          deterministic=True, **kwargs)
+
+    made = backward()
+    api._backward_plans.clear()
+    skipped = backward(bias_grad=False)
+    assert len(made) == 4 and len(skipped) == 3 and len(api._backward_plans) == 1
+    again = backward(bias_grad=False)
+    for name, a, b, c in zip(("dq", "dk", "dv"), made, skipped, again, strict=False):
+        assert gu.bit_identical(a, b), f"{name}: bias_grad=False changed it"
+        assert gu.bit_identical(b, c), f"{name}: the cached call differs"
 
 
 @pytest.mark.parametrize("kind,causal", [("full", False), ("full", True), ("heads", False)])
@@ -341,6 +374,13 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="shared", deterministic=True),
     Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="shared", deterministic=True, dlse=True),
     Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", deterministic=True),
+    # Biases without a gradient (bias_grad=False): forms whose dbias the turns cannot order (a key-padding bias,
+    # a shared bias under a window or ids) are deterministic then; the WS D128 kernel, SIMT fp32, mma.sync D64.
+    Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, bias="keys", bias_grad=False,
+            deterministic=True),
+    Problem("bf16", B=2, Sq=257, Sk=300, H=6, Hkv=2, D=64, window=(50, 10), segments="docs", bias="shared",
+            bias_grad=False, deterministic=True, dlse=True),
+    Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="rows", bias_grad=False, deterministic=True),
 )
 RUNS = 3
 

@@ -16,7 +16,8 @@
 // [row][key] order in the 128-byte-swizzled panels of cuflash/tile.cuh, no pad), where each warp later
 // writes dS over exactly the elements it read.
 // dbias: store_grad writes dS for one (row, col): a store where each dbias element has one writer (a bias
-// with an element per score), an fp32 atomic add into params.dbias_accum where it broadcasts.
+// with an element per score), an fp32 atomic add into params.dbias_accum where it broadcasts; neither where
+// the caller wants no dbias (attention_backward(bias_grad=False): both pointers null).
 #pragma once
 
 #include "cuflash/mma_sm80.cuh"
@@ -222,14 +223,16 @@ struct BiasView<Elem, true> {
         sm80::ldmatrix_x4(pairs, tile.smem + (chunk >> 3) * kPanelBytes + row * 128 + (((chunk ^ row) & 7) << 4));
     }
 
-    // dbias[b, h, row, col] (+)= ds for row < Sq, col < Sk (the parameters are read here, where used).
+    // dbias[b, h, row, col] (+)= ds for row < Sq, col < Sk (the parameters are read here, where used); nothing
+    // where the backward makes no dbias (both pointers null). The test sits here, per element: hoisted out of
+    // the dK/dV loops (before the score walk) it made sm_80's D64 causal bias + softcap kernel spill 16 bytes.
     __device__ __forceinline__ void store_grad(const AttnParams& p, int b, int h, int row, int col, float ds) const {
         if (row > last_row || col > last_col) return;
         const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride +
                                  row * p.dbias_row_stride + col * p.dbias_col_stride;
         if (p.dbias_accum != nullptr) {
             atomicAdd(p.dbias_accum + offset, ds);
-        } else {
+        } else if (p.dbias != nullptr) {
             static_cast<Elem*>(p.dbias)[offset] = from_float(ds, Elem());
         }
     }

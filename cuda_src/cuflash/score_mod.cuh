@@ -246,7 +246,8 @@ struct GeneralScoreMod {
     }
     // key_row / query_col: the lane's first key / query (for_each_score_transposed); with kBias this is
     // where dbias is written (the dK/dV kernels see each score once per query head).
-    // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile).
+    // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile);
+    // nothing is written where the backward makes no dbias (BiasView::store_grad).
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4],
                                                     const AttnParams& p, int key_row, int query_col,
