@@ -247,13 +247,13 @@ struct GeneralScoreMod {
     // key_row / query_col: the lane's first key / query (for_each_score_transposed); with kBias this is
     // where dbias is written (the dK/dV kernels see each score once per query head).
     // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile);
-    // nothing is written where the backward makes no dbias (BiasView::store_grad).
+    // nothing is written where the backward makes no dbias (BiasView::has_grad).
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4],
                                                     const AttnParams& p, int key_row, int query_col,
                                                     bool store_dbias = true) const {
         if constexpr (kBias) {
-            if (store_dbias) {
+            if (store_dbias && bias.has_grad(p)) {
                 for_each_score_transposed(ds, key_row, query_col, [&](float& x, int query, int key, int, int) {
                     bias.store_grad(p, b, h, query, key, x);
                 });
@@ -271,7 +271,9 @@ struct GeneralScoreMod {
         return ds * dfactor;
     }
     __device__ __forceinline__ float grad_one_dbias(const AttnParams& p, float ds, float raw_s, int row, int col) const {
-        if constexpr (kBias) bias.store_grad(p, b, h, row, col, ds);
+        if constexpr (kBias) {
+            if (bias.has_grad(p)) bias.store_grad(p, b, h, row, col, ds);
+        }
         return grad_one(ds, raw_s, row, col);
     }
 
