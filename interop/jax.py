@@ -379,7 +379,6 @@ def _forward_op(static: tuple):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _backward_op(static: tuple, wanted: tuple = tuple(_GRADIENT_NAMES)):
     """The backward of ``static``'s options, making the gradients of the array options named in ``wanted``
     (those given; a bias left out gets ``bias_grad=False``)."""
