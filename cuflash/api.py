@@ -457,7 +457,7 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
                 f"deterministic=True with a bias of shape {tuple(bias.shape)}, which broadcasts to "
                 f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
                 f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
-                f"(bias.expand(...)) or use deterministic=False")
+                f"(bias.expand(...)), use deterministic=False, or bias_grad=False where the bias needs no gradient")
     if dbias is None:
         dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
     else:
