@@ -27,6 +27,12 @@
 
 namespace cuflash {
 
+// *dst += x in global memory, no result wanted: red.global. (NVRTC 13.0 compiles an atomicAdd(float*) whose
+// result is unused to ATOMG with a discarded result, an atomic with a reply, and this to REDG.)
+__device__ __forceinline__ void red_add(float* dst, float x) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst), "f"(x) : "memory");
+}
+
 // Where a staged bias tile of this step sits: its shared-memory address, the (row, col) of its first
 // element and its row pitch in bytes; pitch 0 = nothing staged (read the bias directly).
 struct BiasTileRef {
@@ -236,7 +242,7 @@ struct BiasView<Elem, true> {
         const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride +
                                  row * p.dbias_row_stride + col * p.dbias_col_stride;
         if (p.dbias_accum != nullptr) {
-            atomicAdd(p.dbias_accum + offset, ds);
+            red_add(p.dbias_accum + offset, ds);
         } else {
             static_cast<Elem*>(p.dbias)[offset] = from_float(ds, Elem());
         }
