@@ -310,8 +310,9 @@ WGMMA_BUCKETS = (64, 128, 256)
 
 def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: int = 0) -> bool:
     """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path. Not at D64 with a
-    score modifier: its 128-query tile would add 64 registers of softcap factors to 192 accumulators."""
-    if score_mod and head_dim_bucket == 64:
+    softcap or ALiBi: its 128-query tile would add 64 registers of softcap factors to 192 accumulators (a bias
+    alone needs none; it takes the warp-specialized tile, see dkdv_mainloop)."""
+    if score_mod and score_mod != MOD_BIAS and head_dim_bucket == 64:
         return False
     if score_mod == MOD_BIAS_SOFTCAP and head_dim_bucket == 128:
         # The bias reads on top of S^T, dP^T, the softcap factors and dK / dV spilled 100-650 bytes on the
@@ -460,11 +461,11 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     """Whether a dK/dV variant takes the warp-specialized mainloop on sm_90a: the 8-warp tiles (D64, D128 with
     whole query blocks per warpgroup; D256 with the head dim split over them, ws_exchanges), without a bool mask
     or dropout (their staged tiles and per-score state do not fit beside the producer's stages and dQ tiles),
-    and without a score modifier but a bias alone at D128 (its tile staged in the dS tiles on the atomic path;
-    D64 with a modifier is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x the 8-warp
+    and without a score modifier but a bias alone at D64 / D128 (its tile staged in the dS tiles on the atomic
+    path; D64 with a softcap or ALiBi is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x the 8-warp
     mainloop's time, with the atomic step 0.97-0.98x."""
     return (bucket in (64, 128, 256) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
-            and (score_mod == 0 or (score_mod == MOD_BIAS and bucket == 128)))
+            and (score_mod == 0 or (score_mod == MOD_BIAS and bucket in (64, 128))))
 
 
 def ws_exchanges(bucket: int) -> bool:
@@ -483,7 +484,13 @@ def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: 
     window 1024 + causal 1.07x, block-causal 512 1.12x, 8 causal documents 0.97x."""
     if not uses_wgmma(arch, bucket, score_mod):
         return MAINLOOP_SM80
-    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) else MAINLOOP_SM90
+    if ws_fits(bucket, mask, score_mod):
+        return MAINLOOP_SM90_WS
+    if score_mod and bucket == 64:
+        # The D64 bias beside a bool mask or dropout on the 8-warp wgmma tile spilled 440-564 bytes (nvcc 13.0
+        # NVRTC, session 38): mma.sync, as before.
+        return MAINLOOP_SM80
+    return MAINLOOP_SM90
 
 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
