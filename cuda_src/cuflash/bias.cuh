@@ -17,7 +17,9 @@
 // writes dS over exactly the elements it read.
 // dbias: store_grad writes dS for one (row, col): a store where each dbias element has one writer (a bias
 // with an element per score), an fp32 atomic add into params.dbias_accum where it broadcasts; neither where
-// the caller wants no dbias (has_grad: both pointers null).
+// the caller wants no dbias (has_grad: both pointers null). Where the dK/dV kernels stage the step's dS in
+// shared memory and it is dS itself, they write dbias from there instead (dbias_from_tile, DbiasOut below):
+// whole 16-byte chunks stored, or added as fp32 (red.v4 on sm_90) for a bias broadcast over batch / heads.
 #pragma once
 
 #include "cuflash/mma_sm80.cuh"
@@ -26,6 +28,20 @@
 #include "cuflash/tma_sm90.cuh"
 
 namespace cuflash {
+
+// *dst += x in global memory, no result wanted: red.global. (NVRTC 13.0 compiles an atomicAdd(float*) whose
+// result is unused to ATOMG with a discarded result, an atomic with a reply, and this to REDG.)
+__device__ __forceinline__ void red_add(float* dst, float x) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst), "f"(x) : "memory");
+}
+
+// Two consecutive 16-bit elements (the first in the low half) as floats.
+__device__ __forceinline__ float2 unpack_pair(unsigned bits, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+__device__ __forceinline__ float2 unpack_pair(unsigned bits, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
 
 // Where a staged bias tile of this step sits: its shared-memory address, the (row, col) of its first
 // element and its row pitch in bytes; pitch 0 = nothing staged (read the bias directly).
@@ -188,7 +204,7 @@ struct BiasView<Elem, true> {
     }
     // The low (first) or high element of a pair as float.
     static __device__ __forceinline__ float pair_half(unsigned bits, int high) {
-        const float2 v = unpack(bits, Elem());
+        const float2 v = unpack_pair(bits, Elem());
         return high ? v.y : v.x;
     }
 
@@ -201,7 +217,7 @@ struct BiasView<Elem, true> {
         if (pairs && col < last_col) {
             const Elem* p = base + r * row_stride + col;
             if constexpr (sizeof(Elem) == 2) {
-                return unpack(__ldg(reinterpret_cast<const unsigned*>(p)), Elem());
+                return unpack_pair(__ldg(reinterpret_cast<const unsigned*>(p)), Elem());
             } else {
                 return __ldg(reinterpret_cast<const float2*>(p));
             }
@@ -236,24 +252,18 @@ struct BiasView<Elem, true> {
         const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride +
                                  row * p.dbias_row_stride + col * p.dbias_col_stride;
         if (p.dbias_accum != nullptr) {
-            atomicAdd(p.dbias_accum + offset, ds);
+            red_add(p.dbias_accum + offset, ds);
         } else {
             static_cast<Elem*>(p.dbias)[offset] = from_float(ds, Elem());
         }
     }
 
   private:
-    static __device__ __forceinline__ float2 unpack(unsigned bits, __half) {
-        return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-    }
-    static __device__ __forceinline__ float2 unpack(unsigned bits, __nv_bfloat16) {
-        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-    }
     template <typename T>
     static __device__ __forceinline__ float load_shared(unsigned addr, T) {
         unsigned short bits;
         asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bits) : "r"(addr));
-        return unpack(bits, T()).x;
+        return unpack_pair(bits, T()).x;
     }
     static __device__ __forceinline__ float load_shared(unsigned addr, float) {
         float x;
@@ -264,7 +274,7 @@ struct BiasView<Elem, true> {
     static __device__ __forceinline__ float2 load_shared_pair(unsigned addr, T) {
         unsigned bits;
         asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(addr));
-        return unpack(bits, T());
+        return unpack_pair(bits, T());
     }
     static __device__ __forceinline__ float2 load_shared_pair(unsigned addr, float) {
         float2 x;
@@ -294,11 +304,76 @@ __device__ __forceinline__ void store_dbias_chunk(Elem* dst, const uint4& packed
     }
 }
 
+// The same eight elements added into an fp32 accumulator: two 16-byte reductions (red.global.add.v4.f32, sm_90)
+// where all eight lie inside and dst is aligned, else one red.global.add.f32 per element inside.
+template <typename Elem>
+__device__ __forceinline__ void add_dbias_chunk(float* dst, const uint4& packed, int col, int cols) {
+    const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+    float v[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const float2 pair = unpack_pair(words[w], Elem());
+        v[2 * w] = pair.x;
+        v[2 * w + 1] = pair.y;
+    }
+#if __CUDA_ARCH__ >= 900
+    if (col + 8 <= cols && (reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "l"(dst + 4 * h), "f"(v[4 * h]), "f"(v[4 * h + 1]), "f"(v[4 * h + 2]), "f"(v[4 * h + 3])
+                         : "memory");
+        }
+        return;
+    }
+#endif
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        if (col + e < cols) red_add(dst + e, v[e]);
+    }
+}
+
+// Where the dbias of one (batch, head) goes from a shared dS tile: its slice of params.dbias (stored, the
+// bias's dtype) or of params.dbias_accum (added, fp32). `add` is uniform.
+template <typename Elem>
+struct DbiasOut {
+    void* slice;
+    long long row_stride;
+    bool add;
+
+    static __device__ __forceinline__ DbiasOut of(const AttnParams& p, int b, int h) {
+        const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
+        if (p.dbias_accum != nullptr) return DbiasOut{p.dbias_accum + offset, p.dbias_row_stride, true};
+        return DbiasOut{static_cast<Elem*>(p.dbias) + offset, p.dbias_row_stride, false};
+    }
+    // Keys col .. col + 7 of a tile starting at key key0 (col = 8 * chunk), query row `row`; `cols`: the tile's
+    // keys inside the sequence.
+    __device__ __forceinline__ void put(int row, int key0, int col, int cols, const uint4& packed) const {
+        const long long offset = row * row_stride + key0 + col;
+        if (add) {
+            add_dbias_chunk<Elem>(static_cast<float*>(slice) + offset, packed, col, cols);
+        } else {
+            store_dbias_chunk(static_cast<Elem*>(slice) + offset, packed, col, cols);
+        }
+    }
+};
+
+// Whether the dK/dV kernels write this backward's dbias from the step's shared dS tile (coalesced, after the step's
+// GEMMs) instead of score by score from registers (store_grad): the tile holds dS itself (no softcap factor) with
+// the keys contiguous, and an accumulated dbias has an element per (query, key) (its rows and keys are the scores';
+// the batch / heads broadcast) and no turns to take (deterministic=True orders its adds around the score walk,
+// dbias_order.cuh). The tile's adds sum dS rounded to the input dtype, as the dQ / dK GEMMs read it.
+__device__ __forceinline__ bool dbias_from_tile(const AttnParams& p) {
+    if (p.softcap != 0.f || p.dbias_col_stride != 1) return false;
+    if (p.dbias != nullptr) return true;
+    return p.dbias_accum != nullptr && p.dbias_row_stride != 0 && p.dbias_order_offset == 0;
+}
+
 // Two rows of dbias, queries q and q + 1 against keys [c * 8, c * 8 + 8) of the tile, from w[k] = the dS^T
 // word of key c * 8 + k (query q in its low half, q + 1 in its high half): one 16-byte store per row where the
 // row allows, else element by element. rows / cols: the tile's rows and keys inside the sequence.
 template <typename Elem>
-__device__ __forceinline__ void store_dbias_pair(Elem* base, const AttnParams& p, int query0, int key0, int q, int c,
+__device__ __forceinline__ void store_dbias_pair(const DbiasOut<Elem>& out, int query0, int key0, int q, int c,
                                                  int rows, int cols, const unsigned (&w)[8]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -306,16 +381,16 @@ __device__ __forceinline__ void store_dbias_pair(Elem* base, const AttnParams& p
         const unsigned sel = half ? 0x7632u : 0x5410u;  // the high or the low halves of two words
         const uint4 packed = make_uint4(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel),
                                         __byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel));
-        store_dbias_chunk(base + (query0 + q + half) * p.dbias_row_stride + key0 + c * 8, packed, c * 8, cols);
+        out.put(query0 + q + half, key0, c * 8, cols, packed);
     }
 }
 
 // dbias rows [query0, query0 + kQueries) x keys [key0, key0 + kKeys) of (b, h) from the dK/dV kernel's dS^T
-// tile in shared memory (TileP: [key][query] of Elem, swizzled, the atomic dQ step's operand), for a bias
-// with one element per score, no softcap (the tile holds dS before any modifier factor only then),
-// dbias_col_stride == 1; the caller has made the tile visible (a barrier).
+// tile in shared memory (TileP: [key][query] of Elem, swizzled, the atomic dQ step's operand), where
+// dbias_from_tile (stored, or added into the fp32 accumulator: DbiasOut); the caller has made the tile visible
+// (a barrier).
 // A lane takes a pair of queries and 8 keys: 8 32-bit reads (a key row each, both queries' halves), then a
-// 16-byte store per query row (store_dbias_pair). Which lanes share a read:
+// 16-byte store (or two 16-byte fp32 adds) per query row (store_dbias_pair). Which lanes share a read:
 //   wide panels (the 128-byte swizzle, f(row) = row % 8): a warp takes 8 queries x 64 keys, lane = (chunk
 //     cl = lane / 4, pair lane % 4), and lane cl reads its rows rotated by cl (read e: key cl * 8 + (e + cl)
 //     % 8), so each read's 32 lanes see 8 different swizzle terms x 4 words: 32 distinct banks; a register
@@ -329,7 +404,7 @@ __device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int
                                                  int tid) {
     constexpr int kKeys = TileP::kRows, kQueries = TileP::kCols, kChunks = kKeys / 8, kPairs = kQueries / 2;
     static_assert(sizeof(Elem) == 2 && kKeys % 8 == 0 && kQueries % 2 == 0, "16-bit tiles of whole 8-key chunks");
-    Elem* base = static_cast<Elem*>(p.dbias) + b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
+    const DbiasOut<Elem> out = DbiasOut<Elem>::of(p, b, h);
     const int rows = p.seqlen_q - query0, cols = p.seqlen_k - key0;
     if constexpr (TileP::kGroup == 8 && kChunks % 8 == 0 && kQueries % 8 == 0) {
         constexpr int kItems = (kQueries / 8) * (kChunks / 8);  // (8 queries x 64 keys) per warp
@@ -352,7 +427,7 @@ __device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int
 #pragma unroll
                 for (int k = 0; k < 8; ++k) w[k] = t[k];
             }
-            store_dbias_pair(base, p, query0, key0, q, c, rows, cols, w);
+            store_dbias_pair(out, query0, key0, q, c, rows, cols, w);
         }
     } else {
 #pragma unroll 1
@@ -364,21 +439,21 @@ __device__ __forceinline__ void store_dbias_tile(const AttnParams& p, int b, int
             for (int e = 0; e < 8; ++e) {
                 asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[e]) : "r"(s_ds + TileP::elem_offset(c * 8 + e, q)));
             }
-            store_dbias_pair(base, p, query0, key0, q, c, rows, cols, w);
+            store_dbias_pair(out, query0, key0, q, c, rows, cols, w);
         }
     }
 }
 
 // dbias rows [query0, query0 + Tile::kRows) x keys [key0 + 8 * chunk0, + 8 * kPartChunks) of (b, h) from a dS
 // tile laid out [query][key] (Tile: wide panels, the warp-specialized dK/dV mainloop's dS tile under a bias),
-// for a bias with one element per score, no softcap, dbias_col_stride == 1; the caller has made the tile
-// visible. Each thread moves 16-byte chunks: 8 consecutive threads read one 128-byte panel row (its chunks
-// permuted by the swizzle: one wavefront) and store 128 contiguous bytes of a dbias row.
+// where dbias_from_tile; the caller has made the tile visible. Each thread moves 16-byte chunks: 8 consecutive
+// threads read one 128-byte panel row (its chunks permuted by the swizzle: one wavefront) and store 128
+// contiguous bytes of a dbias row (add 256 of the fp32 accumulator's).
 template <typename Elem, typename Tile, int kThreads, int kPartChunks>
 __device__ __forceinline__ void store_dbias_rows(const AttnParams& p, int b, int h, int query0, int key0, unsigned s_ds,
                                                  int tid, int chunk0) {
     static_assert(sizeof(Elem) == 2 && (kPartChunks * Tile::kRows) % kThreads == 0, "whole passes of 16-bit chunks");
-    Elem* base = static_cast<Elem*>(p.dbias) + b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride;
+    const DbiasOut<Elem> out = DbiasOut<Elem>::of(p, b, h);
     const int rows = p.seqlen_q - query0, cols = p.seqlen_k - key0;
 #pragma unroll
     for (int it = 0; it < kPartChunks * Tile::kRows / kThreads; ++it) {
@@ -386,7 +461,7 @@ __device__ __forceinline__ void store_dbias_rows(const AttnParams& p, int b, int
         const int q = i / kPartChunks, c = chunk0 + i % kPartChunks;
         if (q >= rows || c * 8 >= cols) continue;
         const uint4 v = ld_shared_b128(s_ds + Tile::chunk_offset(q, c));
-        store_dbias_chunk(base + (query0 + q) * p.dbias_row_stride + key0 + c * 8, v, c * 8, cols);
+        out.put(query0 + q, key0, c * 8, cols, v);
     }
 }
 

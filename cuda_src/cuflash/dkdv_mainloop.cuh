@@ -207,9 +207,8 @@ struct DkdvMainloop {
 
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
-            // dbias from the shared dS^T tile (coalesced) where the step stages one and it is dS itself.
-            const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && params.dbias != nullptr && params.softcap == 0.f &&
-                                    params.dbias_col_stride == 1;
+            // dbias from the shared dS^T tile (coalesced) where the step stages one (bias.cuh, dbias_from_tile).
+            const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && dbias_from_tile(params);
             probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, stage, s_q, s_do, r,
                               dbias_tile, acc_s, acc_dp);
             if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask) && !Cfg::kAtomicDq) {

@@ -461,9 +461,8 @@ struct DkdvMainloopSm90Ws {
 
             float acc_s[kMTiles][4];
             float acc_dp[kMTiles][4];
-            // dbias from the step's dS tile where it is dS itself (no softcap factor) and has an element per score.
-            const bool dbias_tile = Cfg::kBiasInDs && params.dbias != nullptr && params.softcap == 0.f &&
-                                    params.dbias_col_stride == 1;
+            // dbias from the step's dS tile where it is dS itself (bias.cuh, dbias_from_tile).
+            const bool dbias_tile = Cfg::kBiasInDs && dbias_from_tile(params);
             // A staged bias and one read directly take separate copies of the step's score math, each with its
             // reads fixed at compile time (one uniform branch per step instead of one per score).
             if (Cfg::kBias && params.bias_staged) {

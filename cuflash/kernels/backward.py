@@ -293,6 +293,16 @@ SPILL_ALLOWANCE[(90, 128, 5, 0, True)] = max(SPILL_ALLOWANCE.get((90, 128, 5, 0,
 # to 16 bytes (NVRTC 13.x of the CI install). The test inside store_grad instead spilled nothing but left the
 # per-element offset math running: 1.09 ms against 0.37 without a bias (B2 H16 S2k D128, H200).
 SPILL_ALLOWANCE[(80, 64, 1, 3, False)] = max(SPILL_ALLOWANCE.get((80, 64, 1, 3, False), 0), 16)
+# Session 39: the D64 bias dK/dV on the warp-specialized tile (302-362 bytes atomic, 16-244 deterministic; the D128
+# bias WS kernel's producer spills alike, 252-444) and the dbias tile adds (bias.cuh DbiasOut) beside the mma.sync /
+# 8-warp wgmma bias + ALiBi / softcap, bool-mask and dropout variants (4-44 bytes; none in a bench). NVRTC 13.0.
+# Measured with these spills (H200, backward only, B4 S2k H16 D64, a (1, 1, S, S) bias with dbias): 2.19 -> 1.28 ms.
+for _key, _bytes in {(90, 64, 0, 2, True): 362, (90, 64, 0, 2, False): 16, (90, 64, 1, 2, True): 302,
+                     (90, 64, 1, 2, False): 32, (90, 64, 2, 2, True): 334, (90, 64, 2, 2, False): 244,
+                     (90, 64, 3, 3, True): 8, (90, 64, 4, 3, True): 20, (90, 64, 5, 3, True): 44,
+                     (90, 128, 3, 3, True): 40, (90, 128, 4, 2, True): 64, (90, 128, 5, 3, True): 40,
+                     (80, 64, 3, 3, True): 8, (80, 128, 3, 3, True): 8, (80, 128, 5, 3, True): 8}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
@@ -310,8 +320,9 @@ WGMMA_BUCKETS = (64, 128, 256)
 
 def uses_wgmma(arch: int, head_dim_bucket: int, score_mod: int = 0) -> bool:
     """Whether the dK/dV kernel of this bucket takes the sm_90a warpgroup (wgmma) path. Not at D64 with a
-    score modifier: its 128-query tile would add 64 registers of softcap factors to 192 accumulators."""
-    if score_mod and head_dim_bucket == 64:
+    softcap or ALiBi: its 128-query tile would add 64 registers of softcap factors to 192 accumulators (a bias
+    alone needs none; it takes the warp-specialized tile, see dkdv_mainloop)."""
+    if score_mod and score_mod != MOD_BIAS and head_dim_bucket == 64:
         return False
     if score_mod == MOD_BIAS_SOFTCAP and head_dim_bucket == 128:
         # The bias reads on top of S^T, dP^T, the softcap factors and dK / dV spilled 100-650 bytes on the
@@ -460,11 +471,11 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     """Whether a dK/dV variant takes the warp-specialized mainloop on sm_90a: the 8-warp tiles (D64, D128 with
     whole query blocks per warpgroup; D256 with the head dim split over them, ws_exchanges), without a bool mask
     or dropout (their staged tiles and per-score state do not fit beside the producer's stages and dQ tiles),
-    and without a score modifier but a bias alone at D128 (its tile staged in the dS tiles on the atomic path;
-    D64 with a modifier is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x the 8-warp
+    and without a score modifier but a bias alone at D64 / D128 (its tile staged in the dS tiles on the atomic
+    path; D64 with a softcap or ALiBi is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x the 8-warp
     mainloop's time, with the atomic step 0.97-0.98x."""
     return (bucket in (64, 128, 256) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
-            and (score_mod == 0 or (score_mod == MOD_BIAS and bucket == 128)))
+            and (score_mod == 0 or (score_mod == MOD_BIAS and bucket in (64, 128))))
 
 
 def ws_exchanges(bucket: int) -> bool:
@@ -483,7 +494,13 @@ def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: 
     window 1024 + causal 1.07x, block-causal 512 1.12x, 8 causal documents 0.97x."""
     if not uses_wgmma(arch, bucket, score_mod):
         return MAINLOOP_SM80
-    return MAINLOOP_SM90_WS if ws_fits(bucket, mask, score_mod) else MAINLOOP_SM90
+    if ws_fits(bucket, mask, score_mod):
+        return MAINLOOP_SM90_WS
+    if score_mod and bucket == 64:
+        # The D64 bias beside a bool mask or dropout on the 8-warp wgmma tile spilled 440-564 bytes (nvcc 13.0
+        # NVRTC, session 38): mma.sync, as before.
+        return MAINLOOP_SM80
+    return MAINLOOP_SM90
 
 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
