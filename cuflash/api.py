@@ -418,8 +418,8 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout(), qkv=qkv)
             call.launch(pointers, stream.ptr)
             del owners
-            if dbias_accum is not None:  # fp32 sums over the broadcast dims -> the bias's dtype
-                dbias_d.array[...] = dbias_accum.astype(dbias_d.array.dtype)
+            if dbias_accum is not None and dbias_accum is not dbias_d.array:  # fp32 sums -> the bias's dtype
+                _convert_dbias(dbias_accum, dbias_d, dtype, dev, stream.ptr)
             # A bias is cached where the kernels make dbias by themselves: full-shape (each element stored once;
             # a hit zeroes it first where a mask skips tiles, as _dbias_buffers does). A broadcast bias (its
             # fp32 accumulator, then a conversion) validates every call.
@@ -432,6 +432,18 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
     if with_dbias:
         grads += (dbias_d.array if dbias is None else dbias,)
     return grads
+
+
+def _convert_dbias(accum, dbias_d, dtype: str, device: int, stream_ptr: int) -> None:
+    """A broadcast bias's fp32 sums into dbias: the conversion kernel for fp16 / bf16 where dbias is contiguous
+    and 16-byte aligned (always so when cuflash allocates it), else CuPy's cast or copy (a dbias= view of
+    another layout; an fp32 bias whose sums could not be made in dbias itself: the ordered adds' counters)."""
+    import cupy
+
+    if dtype != "float32" and dbias_d.array.flags.c_contiguous and dbias_d.ptr % 16 == 0:
+        launch.convert_dbias(accum, dbias_d.ptr, dtype, device, stream_ptr)
+    else:
+        cupy.copyto(dbias_d.array, accum, casting="unsafe")
 
 
 def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic: bool, no_work: bool,
@@ -491,6 +503,9 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         order = dict(dbias_order_offset=elements, dbias_order_qblocks=q_blocks, dbias_order_kblocks=k_blocks)
         storage = cupy.zeros(elements + bias.shape[0] * bias.shape[1] * q_blocks * k_blocks, dtype=cupy.float32)
         accum = storage[:elements].reshape(bias.shape)
+    elif shape.dtype == "float32" and dbias_d.array.flags.c_contiguous:  # the sums are dbias itself
+        accum = dbias_d.array
+        accum.fill(0)
     else:
         accum = cupy.zeros(bias.shape, dtype=cupy.float32)
     st = [s // 4 if n > 1 else 0 for n, s in zip(accum.shape, accum.strides)]

@@ -131,6 +131,20 @@ def run(plan: Plan, params, device_id: int, stream) -> None:
                       item.smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
 
 
+def convert_dbias(accum, dbias_ptr: int, dtype: str, device_id: int, stream_ptr: int) -> None:
+    """Enqueue the conversion of a broadcast bias's fp32 dbias sums (``accum``, a contiguous CuPy array) into
+    the contiguous, 16-byte aligned dbias at ``dbias_ptr`` (``dtype``: float16 / bfloat16) on ``stream_ptr``:
+    kernels.dbias_convert."""
+    from .kernels import dbias_convert
+
+    item = dbias_convert.launch(dtype, accum.size, multiprocessor_count(device_id))
+    kernel = build.get_kernel(item.variant, device_id, compute_capability(device_id))
+    args = (ctypes.c_void_p(accum.data.ptr), ctypes.c_void_p(dbias_ptr), ctypes.c_longlong(accum.size))
+    argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    launch_kernel(device_id, kernel.function.ptr, *item.grid, item.variant.threads, 1, 1, 0, stream_ptr,
+                  ctypes.addressof(argv), 0)
+
+
 def scratch_bytes(plan: Plan) -> int:
     return sum(4 * math.prod(shape) for _, shape in plan.scratch)
 

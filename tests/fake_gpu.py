@@ -49,9 +49,10 @@ class FakeGPU:
     def __init__(self, arch: str = "90", stream_ptr: int = 0x5000):
         self.arch = arch
         self.stream = FakeStream(stream_ptr)
-        self.launches = []  # (function ptr, grid, block, smem, stream ptr, params bytes)
+        self.launches = []  # (function ptr, grid, block, smem, stream ptr, params bytes or plain args, maps)
         self.record = True
         self._next = 1 << 32
+        self._plain_argument_kernels = set()  # function pointers launched with plain arguments
 
     # Memory ---------------------------------------------------------------------------------------------
 
@@ -82,7 +83,14 @@ class FakeGPU:
     # Launch ---------------------------------------------------------------------------------------------
 
     def launch_kernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, argv_address, extra):
-        if self.record:
+        if self.record and function in self._plain_argument_kernels:
+            # A kernel of plain arguments (the dbias conversion: source, destination pointers and a count), in
+            # place of the parameter block; no TmaParams.
+            words = (ctypes.c_void_p * 3).from_address(argv_address)
+            args = (ctypes.c_void_p.from_address(words[0]).value, ctypes.c_void_p.from_address(words[1]).value,
+                    ctypes.c_longlong.from_address(words[2]).value)
+            self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, args, None))
+        elif self.record:
             params_address = ctypes.c_void_p.from_address(argv_address).value
             block = ctypes.string_at(params_address, params_dtype().itemsize)
             # The second parameter, the kernels' TmaParams (launch.TMA_PARAMS_BYTES, 64-byte aligned).
@@ -92,7 +100,10 @@ class FakeGPU:
             self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, block, maps))
 
     def get_kernel(self, variant, device_id, compute_capability, launch_smem_bytes=0):
-        return FakeKernel(variant)
+        kernel = FakeKernel(variant)
+        if variant.name == "cuflash::flash_dbias_convert_kernel":
+            self._plain_argument_kernels.add(kernel.function.ptr)
+        return kernel
 
     def install(self, setattr):
         setattr(launch, "current_device", lambda: 0)

@@ -203,6 +203,36 @@ def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
         assert gu.bit_identical(u, w), f"{name}: the self-allocating call differs from the buffered one"
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_broadcast_dbias_into_every_buffer_layout(dtype):
+    """A broadcast bias's fp32 sums reach dbias the same way whatever buffer holds it: the conversion kernel
+    (a dbias cuflash allocates, or a contiguous 16-byte aligned dbias=; its element count not a multiple of 8,
+    so its last elements take the kernel's tail), CuPy's cast (a strided or misaligned dbias=), and for fp32
+    the sums made in dbias itself. Deterministic (ordered adds), so the sums repeat bit for bit; the cast may
+    round otherwise than the kernel only by an ulp. (Their values against float64: BIAS_PROBLEMS.)"""
+    p = Problem(dtype, B=2, Sq=67, Sk=93, H=6, Hkv=2, D=64, bias="heads", causal=True, deterministic=True)
+    x = gu.make_inputs(p)
+    assert x.bias.size % 8 != 0
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias, causal=True)
+
+    def dbias_into(buffer):
+        return cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, causal=True,
+                                          deterministic=True, dbias=buffer)[3]
+
+    own = dbias_into(None)
+    aligned = gu.nan_fill(cupy.empty_like(x.bias))
+    assert gu.bit_identical(dbias_into(aligned), own)
+    wide = gu.nan_fill(cupy.empty(x.bias.shape[:3] + (x.bias.shape[3] + 5,), dtype=x.bias.dtype))
+    strided = dbias_into(wide[..., :x.bias.shape[3]])
+    flat = gu.nan_fill(cupy.empty(x.bias.size + 1, dtype=x.bias.dtype))
+    misaligned = dbias_into(flat[1:].reshape(x.bias.shape))
+    expected = own.astype(cupy.float32)
+    for name, got in (("strided", strided), ("misaligned", misaligned)):
+        diff = cupy.abs(got.astype(cupy.float32) - expected)
+        assert bool(cupy.all(diff <= cupy.abs(expected) * 2.0 ** -7)), f"{name} dbias= differs beyond an ulp"
+    assert not bool(cupy.any(cupy.isnan(own.astype(cupy.float32))))
+
+
 @pytest.mark.parametrize("kind,D,causal", [("full", 128, True), ("heads", 128, False), ("shared", 64, False)])
 def test_no_dbias_leaves_the_other_gradients_alone(kind, D, causal):
     """bias_grad=False changes only whether dbias is made: dq, dk, dv are bit-identical to those of a

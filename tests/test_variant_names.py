@@ -14,7 +14,8 @@ convert took kSwizzledDq, and its swizzled variants joined on sm_90a; session 27
 warp-specialized tile joined for heads of at most 1024 queries, forward.SHORT_CAUSAL_MAX_QUERIES; session 29, the
 unmasked D256 forward's 80-key tile for heads of at least 8192 keys, forward.D256_WIDE_MIN_KEYS; session 30, the
 causal one's; session 39, the D64 bias (no softcap) dK/dV variants on
-sm_90a moved to the warp-specialized mainloop, but beside a bool mask or dropout). A change of
+sm_90a moved to the warp-specialized mainloop, but beside a bool mask or dropout, and the dbias conversion kernel
+joined). A change of
 any tile, warp count, stage count or wgmma choice on sm_80 or sm_90a changes this set: regenerate the
 file only for a deliberate, measured tile change, and say so in the commit.
 """

@@ -7,6 +7,7 @@ Each kernel family has one module here, next to its source in ``cuda_src/``:
 - ``simt``: true-fp32 forward and backward, ``flash_simt.cu``
 - ``block_lists``: the general mask's pre-pass (per-block visit lists), ``block_lists.cu``
 - ``varlen_tails``: packed calls' last launch (the rows no sequence covers), ``varlen_tails.cu``
+- ``dbias_convert``: a broadcast bias's fp32 dbias sums to its dtype, after the backward, ``dbias_convert.cu``
 - ``kvcache``: KV-cache attention (``flash_kvcache.cu``) with its append and split-KV combine kernels
 
 A family module exposes ``plan_forward(shape, arch)``, ``plan_backward(shape, arch, deterministic)``
@@ -219,10 +220,10 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
 
 def all_variants(arch: int) -> list:
     """Every kernel variant the package can launch on ``arch``, without duplicates."""
-    from . import backward, block_lists, forward, kvcache, simt, varlen_tails
+    from . import backward, block_lists, dbias_convert, forward, kvcache, simt, varlen_tails
 
     seen, out = set(), []
-    for module in (forward, backward, simt, block_lists, varlen_tails, kvcache):
+    for module in (forward, backward, simt, block_lists, varlen_tails, kvcache, dbias_convert):
         for variant in module.all_variants(arch):
             if variant not in seen:
                 seen.add(variant)
