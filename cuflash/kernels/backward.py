@@ -297,9 +297,12 @@ SPILL_ALLOWANCE[(80, 64, 1, 3, False)] = max(SPILL_ALLOWANCE.get((80, 64, 1, 3, 
 # bias WS kernel's producer spills alike, 252-444) and the dbias tile adds (bias.cuh DbiasOut) beside the mma.sync /
 # 8-warp wgmma bias + ALiBi / softcap, bool-mask and dropout variants (4-44 bytes; none in a bench). NVRTC 13.0.
 # Measured with these spills (H200, backward only, B4 S2k H16 D64, a (1, 1, S, S) bias with dbias): 2.19 -> 1.28 ms.
+# NVRTC 13.5 (the CI install's) spills more in two of them: the D64 WS bias with a general mask 358 bytes (334 under
+# 13.0) and the mma.sync D64 bias + softcap with a general mask 20 (0 under 13.0; session 39's CPU CI replica).
 for _key, _bytes in {(90, 64, 0, 2, True): 362, (90, 64, 0, 2, False): 16, (90, 64, 1, 2, True): 302,
-                     (90, 64, 1, 2, False): 32, (90, 64, 2, 2, True): 334, (90, 64, 2, 2, False): 244,
-                     (90, 64, 3, 3, True): 8, (90, 64, 4, 3, True): 20, (90, 64, 5, 3, True): 44,
+                     (90, 64, 1, 2, False): 32, (90, 64, 2, 2, True): 358, (90, 64, 2, 2, False): 244,
+                     (90, 64, 2, 3, True): 20, (90, 64, 3, 3, True): 8, (90, 64, 4, 3, True): 20,
+                     (90, 64, 5, 3, True): 44,
                      (90, 128, 3, 3, True): 40, (90, 128, 4, 2, True): 64, (90, 128, 5, 3, True): 40,
                      (80, 64, 3, 3, True): 8, (80, 128, 3, 3, True): 8, (80, 128, 5, 3, True): 8}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
