@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 
 from cuflash import arrays, build, launch, tma
+from cuflash.kernels import dbias_convert
 from cuflash.params import params_dtype
 
 
@@ -101,7 +102,7 @@ class FakeGPU:
 
     def get_kernel(self, variant, device_id, compute_capability, launch_smem_bytes=0):
         kernel = FakeKernel(variant)
-        if variant.name == "cuflash::flash_dbias_convert_kernel":
+        if variant.name == dbias_convert.KERNEL_NAME:
             self._plain_argument_kernels.add(kernel.function.ptr)
         return kernel
 
