@@ -322,9 +322,10 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
                   dbias=None, dbias_ptr=0):
     """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
     ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation;
-    ``option_pointers``: the score options' arrays (None without options). A plan with a bias (only a
-    full-shape one is cached: its dK/dV kernels store each dbias element once) takes ``dbias`` (its pointer
-    ``dbias_ptr``) or allocates one like the validating call did, zeroed first where a mask skips tiles."""
+    ``option_pointers``: the score options' arrays (None without options). A plan with a bias takes
+    ``dbias`` (its pointer ``dbias_ptr``) or allocates one like the validating call did: a full-shape bias's
+    dK/dV kernels store each element once (zeroed first where a mask skips tiles); a broadcast one's sum
+    into a fresh zeroed fp32 accumulator (or an fp32 dbias itself), converted into dbias after the launch."""
     grads = [dq, dk, dv] + ([dbias] if plan.dbias is not None else [])
     missing = [i for i, g in enumerate(grads) if g is None]
     owner = None
@@ -347,21 +348,36 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     else:
         scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
                                                                                       plan.scratch_slots)]
-    if plan.dbias is not None and plan.dbias[2]:  # tiles a mask skips are never visited: their dbias is 0
-        view = describe(grads[3], "dbias").array  # a CuPy view of any caller's array (torch, JAX, CuPy)
-        if stream is None:
-            view.fill(0)
-        else:
-            with resolve_stream(stream):
-                view.fill(0)
+    accum = dbias_d = None
+    accum_ptr = 0
+    if plan.dbias is not None and (plan.dbias[2] or plan.dbias_accum is not None):
+        dbias_d = describe(grads[3], "dbias")  # a CuPy view of any caller's array (torch, JAX, CuPy)
+        with _on_stream(stream):
+            if plan.dbias_accum is None:  # tiles a mask skips are never visited: their dbias is 0
+                dbias_d.array.fill(0)
+            elif plan.dbias_accum[3]:  # an fp32 bias sums in dbias itself
+                dbias_d.array.fill(0)
+                accum_ptr, dbias_ptr = dbias_ptr, 0
+            else:
+                accum = _new_accumulator(*plan.dbias_accum[:3])
+                accum_ptr, dbias_ptr = accum.data.ptr, 0
     block = (*pointers[:9], *scratch_pointers[:5], pointers[9])
     if option_pointers is not None:
         block += (*option_pointers[:5], *scratch_pointers[5:])
-        if len(option_pointers) > 5:  # bias, dbias, dbias_accum (a cached plan has none), bool mask
-            block += (option_pointers[5][0], dbias_ptr, 0, option_pointers[5][1])
-    plan.launch(block, _stream_ptr(stream))
+        if len(option_pointers) > 5:  # bias, dbias, dbias_accum, bool mask
+            block += (option_pointers[5][0], dbias_ptr, accum_ptr, option_pointers[5][1])
+    stream_ptr = _stream_ptr(stream)
+    plan.launch(block, stream_ptr)
     del owner
+    if accum is not None:
+        with _on_stream(stream):
+            _convert_dbias(accum, dbias_d, plan.dbias_accum[4], plan.device, stream_ptr)
     return tuple(grads)
+
+
+def _on_stream(stream):
+    """A context making ``stream=`` CuPy's current stream (nothing to do for None: it already is)."""
+    return contextlib.nullcontext() if stream is None else resolve_stream(stream)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
@@ -418,20 +434,35 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout(), qkv=qkv)
             call.launch(pointers, stream.ptr)
             del owners
-            if dbias_accum is not None and dbias_accum is not dbias_d.array:  # fp32 sums -> the bias's dtype
+            in_place = dbias_accum is not None and dbias_accum is dbias_d.array
+            if dbias_accum is not None and not in_place:  # fp32 sums -> the bias's dtype
                 _convert_dbias(dbias_accum, dbias_d, dtype, dev, stream.ptr)
-            # A bias is cached where the kernels make dbias by themselves: full-shape (each element stored once;
-            # a hit zeroes it first where a mask skips tiles, as _dbias_buffers does). A broadcast bias (its
-            # fp32 accumulator, then a conversion) validates every call.
-            cacheable = dbias_accum is None
-            if with_dbias:  # what a hit allocates when dbias= is not given, and whether it zeroes it
-                call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0)
-            if key is not None and not switched and cacheable:
+            if with_dbias:  # what a hit allocates when dbias= is not given, and whether it zeroes it (a full-shape
+                # bias's tiles that a mask skips are never visited, as _dbias_buffers does)
+                call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0 and dbias_accum is None)
+                if dbias_accum is not None:  # a broadcast bias: what a hit's fp32 accumulator needs
+                    fields = dict(bias_fields)
+                    call.dbias_accum = (tuple(opts.bias.shape), fields.get("dbias_order_qblocks", 0),
+                                        fields.get("dbias_order_kblocks", 0), in_place, dtype)
+            if key is not None and not switched:
                 _remember(_backward_plans, key, call)
     grads = tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
     if with_dbias:
         grads += (dbias_d.array if dbias is None else dbias,)
     return grads
+
+
+def _new_accumulator(bias_shape: tuple, q_blocks: int = 0, k_blocks: int = 0):
+    """A zeroed fp32 accumulator of a broadcast bias's shape; with the ordered adds (q_blocks / k_blocks of the
+    dK/dV tile), their turns' int counters after it in the same zeroed allocation, one per (bias slice, query
+    block, key block) (cuda_src/cuflash/dbias_order.cuh)."""
+    import cupy
+
+    if not q_blocks:
+        return cupy.zeros(bias_shape, dtype=cupy.float32)
+    elements = math.prod(bias_shape)
+    storage = cupy.zeros(elements + bias_shape[0] * bias_shape[1] * q_blocks * k_blocks, dtype=cupy.float32)
+    return storage[:elements].reshape(bias_shape)
 
 
 def _convert_dbias(accum, dbias_d, dtype: str, device: int, stream_ptr: int) -> None:
@@ -492,7 +523,6 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         fields = dict(dbias=dbias_d.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1], dbias_row_stride=st[2],
                       dbias_col_stride=st[3])
         return tuple(fields.items()), dbias_d, None
-    elements = math.prod(bias.shape)
     order = {}
     if ordered:  # the turns' counters after the accumulator, zeroed with it
         dkdv = next(l.variant.config for l in plan.launches if l.variant.name in _DKDV_KERNELS)
@@ -500,14 +530,14 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         # the warp-specialized dK/dV kernel, or another one without the atomic dQ adds.
         assert not getattr(dkdv, "atomic_dq", False) or dkdv.mainloop == kernels.backward.MAINLOOP_SM90_WS, dkdv
         q_blocks, k_blocks = -(-shape.seqlen_q // dkdv.block_m), -(-shape.seqlen_k // dkdv.block_n)
-        order = dict(dbias_order_offset=elements, dbias_order_qblocks=q_blocks, dbias_order_kblocks=k_blocks)
-        storage = cupy.zeros(elements + bias.shape[0] * bias.shape[1] * q_blocks * k_blocks, dtype=cupy.float32)
-        accum = storage[:elements].reshape(bias.shape)
+        order = dict(dbias_order_offset=math.prod(bias.shape), dbias_order_qblocks=q_blocks,
+                     dbias_order_kblocks=k_blocks)
+        accum = _new_accumulator(tuple(bias.shape), q_blocks, k_blocks)
     elif shape.dtype == "float32" and dbias_d.array.flags.c_contiguous:  # the sums are dbias itself
         accum = dbias_d.array
         accum.fill(0)
     else:
-        accum = cupy.zeros(bias.shape, dtype=cupy.float32)
+        accum = _new_accumulator(tuple(bias.shape))
     st = [s // 4 if n > 1 else 0 for n, s in zip(accum.shape, accum.strides)]
     fields = dict(dbias_accum=accum.data.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1],
                   dbias_row_stride=st[2], dbias_col_stride=st[3], **order)

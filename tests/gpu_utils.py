@@ -100,6 +100,8 @@ BIAS_KINDS = {
     "kv": "(B, Hkv, Sq, Sk): one per kv head, dbias summed over each GQA group",
     "shared": "(1, 1, Sq, Sk): one for every batch row and head, dbias summed over both",
     "keys": "(B, 1, 1, Sk): a key-padding bias with some -inf keys",
+    "keyheads": "(1, Hkv, 1, Sk): a learnable key bias per kv head, shared by the batch (dbias summed over it, "
+                "each GQA group and the queries)",
     "rows": "(B, H, Sq, 1): one value per query row (cancels in the softmax: dbias ~ 0)",
     "expanded": "(1, H, Sq, Sk) broadcast_to (B, H, Sq, Sk): stride 0 over the batch, dbias full-shaped",
     "neginf": "(B, H, Sq, Sk) with ~15% -inf entries and some whole rows of -inf",
@@ -427,7 +429,7 @@ def draw_bias(rng, p: Problem):
     """The bias of ``p`` (BIAS_KINDS[p.bias]) on the device, in the input dtype."""
     full = (p.B, p.H, p.Sq, p.Sk)
     shape = {"heads": (1, p.H, p.Sq, p.Sk), "kv": (p.B, p.Hkv, p.Sq, p.Sk), "shared": (1, 1, p.Sq, p.Sk),
-             "keys": (p.B, 1, 1, p.Sk),
+             "keys": (p.B, 1, 1, p.Sk), "keyheads": (1, p.Hkv, 1, p.Sk),
              "rows": (p.B, p.H, p.Sq, 1), "expanded": (1, p.H, p.Sq, p.Sk)}.get(p.bias, full)
     host = rng.standard_normal(shape)
     if p.bias == "keys" and p.Sk > 1:

@@ -333,7 +333,7 @@ def test_a_backward_with_a_full_bias_is_cached(gpu, checks):
     assert call(q, k, v, bias2, dbias=given2)[3] is given2
     assert checks["check_qkv"] == validated
     assert all(pointers_of(l[5])["dbias"] == given2.data.ptr for l in gpu.launches[before:])
-    # (A broadcast bias, validated on every call: test_a_broadcast_bias_converts_its_sums_into_dbias below.)
+    # (A broadcast bias: test_a_broadcast_bias_converts_its_sums_into_dbias below.)
 
 
 def test_a_bias_loaded_by_tma_launches_with_its_own_map(gpu, monkeypatch):
@@ -506,34 +506,55 @@ def test_a_backward_without_dbias_stores_none_and_is_cached(gpu, checks, monkeyp
         call(bias, dbias=gpu.array(bias_shape, BF16))
 
 
-@pytest.mark.parametrize("bias_shape", [(1, 4, 33, 47), (2, 1, 1, 47)])
-def test_a_broadcast_bias_converts_its_sums_into_dbias(gpu, monkeypatch, bias_shape):
-    """A broadcast bf16 bias: the dK/dV kernel adds into a zeroed fp32 accumulator of the bias's shape, and the
-    backward's last launch converts exactly those sums into the dbias it returns (its count, a grid that covers
-    it in 8-element chunks, capped at 8 CTAs per SM); dbias= contiguous and 16-byte aligned is converted into."""
+@pytest.mark.parametrize("bias_shape,deterministic", [((1, 4, 33, 47), False), ((2, 1, 1, 47), False),
+                                                       ((1, 4, 33, 47), True)])
+def test_a_broadcast_bias_converts_its_sums_into_dbias(gpu, checks, monkeypatch, bias_shape, deterministic):
+    """A broadcast bf16 bias: the dK/dV kernel adds into a zeroed fp32 accumulator of the bias's shape (dbias
+    pointer 0), and the backward's last launch converts exactly those sums into the dbias it returns (its count,
+    a grid that covers it in 8-element chunks, capped at 8 CTAs per SM); dbias= contiguous and 16-byte aligned
+    is converted into. A repeated call hits the cache: no validation, the same launches (pointers aside), a
+    fresh accumulator of its own (deterministic: with its ordered adds' counters after it, zeroed with it)."""
     from cuflash.kernels import dbias_convert
 
     q, k, v = qkv(gpu)
     zeroed = []
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=float: zeroed.append(shape) or gpu.array(shape, dtype))
+    def zeros(shape, dtype=float):
+        shape = tuple(shape) if isinstance(shape, tuple) else (shape,)
+        zeroed.append(shape)
+        return gpu.array(shape, dtype)
+
+    monkeypatch.setattr(cupy, "zeros", zeros)
 
     def call(**kwargs):
         out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
         return cuflash.attention_backward(gpu.array((2, 33, 4, 64), BF16), q, k, v, out, lse,
-                                          bias=gpu.array(bias_shape, BF16), **kwargs)
+                                          bias=gpu.array(bias_shape, BF16), deterministic=deterministic, **kwargs)
 
-    for given in (None, gpu.array(bias_shape, BF16)):
-        before = len(gpu.launches)
-        grads = call(dbias=given)
-        assert zeroed.pop() == bias_shape and not zeroed
-        dkdv = next(l for l in gpu.launches[before:] if l[6] is not None and pointers_of(l[5])["dbias_accum"])
-        accum = pointers_of(dkdv[5])["dbias_accum"]
-        convert = gpu.launches[-1]
-        elements = math.prod(bias_shape)
-        assert convert[5] == (accum, grads[3].data.ptr, elements)
-        assert given is None or grads[3] is given
-        assert convert[1][0] * dbias_convert.THREADS * 8 >= elements and convert[2] == (dbias_convert.THREADS, 1, 1)
-        assert (convert[1][0] - 1) * dbias_convert.THREADS * 8 < elements  # no CTA without a chunk
+    elements = math.prod(bias_shape)
+    for buffers in ((None, None), (gpu.array(bias_shape, BF16), gpu.array(bias_shape, BF16))):
+        launches, accums, sizes = [], [], []
+        for n, given in enumerate(buffers):
+            before, validated = len(gpu.launches), checks["check_qkv"]
+            grads = call(dbias=given)
+            assert (checks["check_qkv"] == validated) == (n == 1), "the second call must hit the cache"
+            sizes.append(zeroed.pop())
+            assert not zeroed and sizes[-1] == sizes[0]
+            assert sizes[-1] == bias_shape if not deterministic else sizes[-1][0] > elements
+            mine = gpu.launches[before:]
+            blocks = [pointers_of(l[5]) for l in mine[:-1]]  # every launch but the last gets the parameter block
+            assert all(b["dbias"] == 0 and b["dbias_accum"] == blocks[0]["dbias_accum"] != 0 for b in blocks)
+            accums.append(blocks[0]["dbias_accum"])
+            convert = mine[-1]
+            assert convert[5] == (accums[-1], grads[3].data.ptr, elements)
+            assert given is None or grads[3] is given
+            assert convert[1][0] * dbias_convert.THREADS * 8 >= elements
+            assert convert[2] == (dbias_convert.THREADS, 1, 1)
+            assert (convert[1][0] - 1) * dbias_convert.THREADS * 8 < elements  # no CTA without a chunk
+            launches.append(mine)
+        assert accums[0] != accums[1]
+        assert [l[:5] for l in launches[0]] == [l[:5] for l in launches[1]]
+        for a, b in zip(launches[0][:-1], launches[1][:-1]):
+            assert _non_pointer_bytes(a[5]) == _non_pointer_bytes(b[5])
     # A large bias: the grid-stride loop on at most 8 CTAs per SM.
     assert dbias_convert.launch("float16", 16 * 2048 * 2048, 132).grid == (132 * dbias_convert.BLOCKS_PER_SM, 1, 1)
     with pytest.raises(ValueError, match="float16 / bfloat16"):

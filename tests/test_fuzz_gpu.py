@@ -81,7 +81,7 @@ OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5
 #: (window, ids, bool mask, dropout) also those broadcast over the batch / heads, whose dbias adds then take
 #: turns (dbias_order.cuh; the rest is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
 #: A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes any kind in either mode.
-BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "expanded", "neginf", "large")
+BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "keyheads", "expanded", "neginf", "large")
 BIAS_FULL_SHAPE = ("full", "expanded", "neginf", "large")
 BIAS_ORDERED = BIAS_FULL_SHAPE + ("heads", "kv", "shared")
 # A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.

@@ -258,6 +258,35 @@ struct BiasView<Elem, true> {
         }
     }
 
+    // A bias broadcast over the query rows (dbias_row_stride 0: (B | 1, H | Hkv | 1, 1, Sk), a learnable key
+    // bias): dbias of each key sums dS over every query, so the warp sums its transposed C fragment's queries
+    // first (rows = keys key_row, key_row + 8; for_each_score_transposed's coordinates: a lane's quad, lanes
+    // 4g .. 4g + 3, holds the same two keys and the step's other queries) and its lanes 4g add one term per key
+    // per step, instead of one per score. Queries past Sq are left out (their dS is 0 only where their inputs
+    // are). Called by every lane of the warp (shuffles); only where has_grad.
+    template <int kNTiles>
+    __device__ __forceinline__ void add_grad_over_queries(const AttnParams& p, int b, int h,
+                                                          const float (&ds)[kNTiles][4], int key_row,
+                                                          int query_col) const {
+        float sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (query_col + nt * 8 + (e & 1) <= last_row) sum[e >> 1] += ds[nt][e];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 1);
+            sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 2);
+        }
+        if ((threadIdx.x & 3) == 0) {
+            store_grad(p, b, h, 0, key_row, sum[0]);
+            store_grad(p, b, h, 0, key_row + 8, sum[1]);
+        }
+    }
+
   private:
     template <typename T>
     static __device__ __forceinline__ float load_shared(unsigned addr, T) {

@@ -247,16 +247,21 @@ struct GeneralScoreMod {
     // key_row / query_col: the lane's first key / query (for_each_score_transposed); with kBias this is
     // where dbias is written (the dK/dV kernels see each score once per query head).
     // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile);
-    // nothing is written where the backward makes no dbias (BiasView::has_grad).
+    // nothing is written where the backward makes no dbias (BiasView::has_grad). A bias broadcast over the
+    // queries gets one add per key and warp (BiasView::add_grad_over_queries), every other one per score.
     template <int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4],
                                                     const AttnParams& p, int key_row, int query_col,
                                                     bool store_dbias = true) const {
         if constexpr (kBias) {
             if (store_dbias && bias.has_grad(p)) {
-                for_each_score_transposed(ds, key_row, query_col, [&](float& x, int query, int key, int, int) {
-                    bias.store_grad(p, b, h, query, key, x);
-                });
+                if (p.dbias_row_stride == 0 && p.dbias_accum != nullptr) {  // a bias broadcast over the queries
+                    bias.add_grad_over_queries(p, b, h, ds, key_row, query_col);
+                } else {
+                    for_each_score_transposed(ds, key_row, query_col, [&](float& x, int query, int key, int, int) {
+                        bias.store_grad(p, b, h, query, key, x);
+                    });
+                }
             }
         }
         if (has_softcap()) transform2(ds, aux);
