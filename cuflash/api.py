@@ -165,10 +165,13 @@ def _allocate(specs, stream) -> list:
     stream-ordered: memory freed after the launch is reused only by work ordered behind it)."""
     import cupy
 
-    if stream is None:
+    with _on_stream(stream):
         return [cupy.empty(shape, dtype) for shape, dtype in specs]
-    with resolve_stream(stream):
-        return [cupy.empty(shape, dtype) for shape, dtype in specs]
+
+
+def _on_stream(stream):
+    """A context making ``stream=`` CuPy's current stream (nothing to do for None: it already is)."""
+    return contextlib.nullcontext() if stream is None else resolve_stream(stream)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -373,11 +376,6 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
         with _on_stream(stream):
             _convert_dbias(accum, dbias_d, plan.dbias_accum[4], plan.device, stream_ptr)
     return tuple(grads)
-
-
-def _on_stream(stream):
-    """A context making ``stream=`` CuPy's current stream (nothing to do for None: it already is)."""
-    return contextlib.nullcontext() if stream is None else resolve_stream(stream)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace, stream,
