@@ -203,8 +203,8 @@ class CallPlan:
     """
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
-                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias", "dbias_accum",
-                 "_qkv_maps", "_maps", "_map_pointers", "_maps_at")
+                 "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias",
+                 "dbias_accum", "_qkv_maps", "_maps", "_map_pointers", "_maps_at")
 
     def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None,
                  qkv=None):

@@ -478,8 +478,8 @@ def ws_fits(bucket: int, mask: int, score_mod: int) -> bool:
     whole query blocks per warpgroup; D256 with the head dim split over them, ws_exchanges), without a bool mask
     or dropout (their staged tiles and per-score state do not fit beside the producer's stages and dQ tiles),
     and without a score modifier but a bias alone at D64 / D128 (its tile staged in the dS tiles on the atomic
-    path; D64 with a softcap or ALiBi is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x the 8-warp
-    mainloop's time, with the atomic step 0.97-0.98x."""
+    path; D64 with a softcap or ALiBi is on mma.sync). H100 (session 18, ncu): D256 without the dQ step 0.835x
+    the 8-warp mainloop's time, with the atomic step 0.97-0.98x."""
     return (bucket in (64, 128, 256) and mask in (MASK_NONE, MASK_CAUSAL, MASK_GENERAL)
             and (score_mod == 0 or (score_mod == MOD_BIAS and bucket in (64, 128))))
 
