@@ -40,10 +40,22 @@ __host__ __device__ constexpr bool mask_has_bool(int kind) {
 }
 __host__ __device__ constexpr bool mask_has_dropout(int kind) { return kind >= kGeneralDropoutMask; }
 
+// What a policy reads once per key block for the transposed form (key_spans): nothing, unless the policy
+// has per-key spans (GeneralMaskOf's KeySpans).
+struct NoSpans {};
+
 // The apply forms every policy shares, written against its visible(row, col).
 template <typename Policy>
 struct MaskTiles {
     __device__ __forceinline__ const Policy& self() const { return *static_cast<const Policy*>(this); }
+
+    // The per-key-block state of apply_transposed (the policies without one: none; the form reads as before).
+    __device__ __forceinline__ NoSpans key_spans(int, int) const { return {}; }
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed_spans(float (&acc)[kNTiles][4], const NoSpans&, int key_row,
+                                                           int query_col, int rows_valid) const {
+        self().apply_transposed(acc, key_row, query_col, rows_valid);
+    }
 
     // Sets invisible scores of a C-fragment tile to -inf.
     template <int kMTiles, int kNTiles>
@@ -126,6 +138,16 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
 // kRanged: the tile forms (apply, apply_transposed) test each row's range of keys (each key's range of
 // queries) where the ids are sorted or absent (IdRanges in params.cuh, written by the pre-pass), instead of
 // the ids; MaskOf turns it off with a bool mask or dropout, whose variants spilled with it.
+// A thread's two keys (key_row, key_row + 8) and the queries each is seen by, [lo, hi): what the transposed
+// ranged form reads per key from the pre-pass (IdRanges) and cuts by the window. The keys stay the thread's for
+// its whole key block, so a dK/dV mainloop reads them once there (key_spans) instead of at every partial step,
+// where the three dependent global loads (the batch row's flag, two ranges) stood in the step's critical path:
+// 37% of the partial steps' stall samples on 8 causal documents (ncu, H200, session 40).
+struct KeySpans {
+    int lo[2], hi[2];
+    bool ranged;  // false: the ids are not sorted in this batch row; the form tests ids per element
+};
+
 template <bool kBool, bool kRanged = !kBool>
 struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
@@ -203,6 +225,36 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
                                                      int rows_valid) const {
         if (kRanged && ranged(q_id_ranges(p))) {
             apply_transposed_ranged(acc, key_row, query_col, rows_valid);
+        } else {
+            MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed(acc, key_row, query_col, rows_valid);
+        }
+    }
+
+    // The same with the thread's key spans read beforehand (key_spans(key_row, rows_valid), once per key
+    // block): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
+    __device__ __forceinline__ conditional_t<kRanged, KeySpans, NoSpans> key_spans(int key_row, int rows_valid) const {
+        if constexpr (kRanged) {
+            const IdRanges r = q_id_ranges(p);
+            KeySpans spans;
+            spans.ranged = ranged(r);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int2 queries = spans.ranged ? key_queries(r, key_row + half * 8, rows_valid) : make_int2(0, 0);
+                spans.lo[half] = queries.x;
+                spans.hi[half] = queries.y;
+            }
+            return spans;
+        } else {
+            return {};
+        }
+    }
+    using MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed_spans;
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed_spans(float (&acc)[kNTiles][4], const KeySpans& spans, int key_row,
+                                                           int query_col, int rows_valid) const {
+        if (spans.ranged) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) keep_span(acc, half, spans.lo[half] - query_col, spans.hi[half] - query_col);
         } else {
             MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed(acc, key_row, query_col, rows_valid);
         }
