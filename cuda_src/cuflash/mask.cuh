@@ -49,8 +49,14 @@ template <typename Policy>
 struct MaskTiles {
     __device__ __forceinline__ const Policy& self() const { return *static_cast<const Policy*>(this); }
 
-    // The per-key-block state of apply_transposed (the policies without one: none; the form reads as before).
+    // The per-block state of apply / apply_transposed (the policies without one: none; the forms read as before).
     __device__ __forceinline__ NoSpans key_spans(int, int) const { return {}; }
+    __device__ __forceinline__ NoSpans row_spans(int) const { return {}; }
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_spans(float (&acc)[kMTiles][kNTiles][4], const NoSpans&, int row0,
+                                                int col0) const {
+        self().apply(acc, row0, col0);
+    }
     template <int kNTiles>
     __device__ __forceinline__ void apply_transposed_spans(float (&acc)[kNTiles][4], const NoSpans&, int key_row,
                                                            int query_col, int rows_valid) const {
@@ -147,6 +153,9 @@ struct KeySpans {
     int lo[2], hi[2];
     bool ranged;  // false: the ids are not sorted in this batch row; the form tests ids per element
 };
+// The same for the C-fragment form of a one-m-tile warp (the warp-specialized forward's consumers): a thread's
+// two query rows (row0 + lane / 4, + 8) and the keys each sees, read once per query block (row_spans).
+using RowSpans = KeySpans;
 
 template <bool kBool, bool kRanged = !kBool>
 struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
@@ -203,18 +212,44 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         if (kRanged && ranged(kv_id_ranges(p))) {
             apply_ranged(acc, row0, col0);
-        } else if constexpr (kMTiles == 1) {
-            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
-                if (!visible_ranges(row, col)) x = -INFINITY;
-            });
         } else {
-            apply_by_rows(acc, row0, col0);
+            apply_ids(acc, row0, col0);
         }
-        if (has_bool) {  // scores still visible, inside the sequences: one mask byte each
-            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
-                if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
-            });
+        apply_bool(acc, row0, col0);
+    }
+
+    // The same with the thread's row spans read beforehand (row_spans(row0), once per query block; one m-tile
+    // per warp): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
+    __device__ __forceinline__ conditional_t<kRanged, RowSpans, NoSpans> row_spans(int row0) const {
+        if constexpr (kRanged) {
+            const IdRanges r = kv_id_ranges(p);
+            const int lane = threadIdx.x % 32;
+            RowSpans spans;
+            spans.ranged = ranged(r);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int2 keys = spans.ranged ? row_keys(r, row0 + lane / 4 + half * 8) : make_int2(0, 0);
+                spans.lo[half] = keys.x;
+                spans.hi[half] = keys.y;
+            }
+            return spans;
+        } else {
+            return {};
         }
+    }
+    using MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_spans;
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_spans(float (&acc)[kMTiles][kNTiles][4], const RowSpans& spans, int row0,
+                                                int col0) const {
+        static_assert(kMTiles == 1, "row spans hold one m-tile's two rows");
+        if (spans.ranged) {
+            const int col_base = col0 + (threadIdx.x % 32 % 4) * 2;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) keep_span(acc[0], half, spans.lo[half] - col_base, spans.hi[half] - col_base);
+        } else {
+            apply_ids(acc, row0, col0);
+        }
+        apply_bool(acc, row0, col0);
     }
 
     // The transposed form (the dK/dV kernels' S^T: a thread's 2 keys as rows, kNTiles x 2 queries as
@@ -261,6 +296,27 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     }
 
   private:
+    // The ids' form of apply: per element with one m-tile per warp, by rows with several.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_ids(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        if constexpr (kMTiles == 1) {
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (!visible_ranges(row, col)) x = -INFINITY;
+            });
+        } else {
+            apply_by_rows(acc, row0, col0);
+        }
+    }
+    // The bool mask's pass: scores still visible, inside the sequences, one mask byte each.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_bool(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        if (has_bool) {
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
+            });
+        }
+    }
+
     // Whether the tile forms can test ranges instead of ids: always without ids (the window alone is a range
     // per row), and with ids where the pre-pass found them sorted in this batch (IdRanges, params.cuh).
     // Uniform across the CTA.
