@@ -40,8 +40,8 @@ __host__ __device__ constexpr bool mask_has_bool(int kind) {
 }
 __host__ __device__ constexpr bool mask_has_dropout(int kind) { return kind >= kGeneralDropoutMask; }
 
-// What a policy reads once per key block for the transposed form (key_spans): nothing, unless the policy
-// has per-key spans (GeneralMaskOf's KeySpans).
+// What a policy reads once per block for its tile forms (key_spans / row_spans): nothing, unless the policy
+// has spans (GeneralMaskOf's KeySpans / RowSpans, below).
 struct NoSpans {};
 
 // The apply forms every policy shares, written against its visible(row, col).
@@ -130,6 +130,19 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
     }
 };
 
+// A thread's two keys (key_row, key_row + 8) and the queries each is seen by, [lo, hi): what the transposed
+// ranged form reads per key from the pre-pass (IdRanges) and cuts by the window. The keys stay the thread's for
+// its whole key block, so a dK/dV mainloop reads them once there (key_spans) instead of at every partial step,
+// where its three dependent global loads (the batch row's flag, two ranges) held a quarter of the partial steps'
+// stall samples on 8 causal documents (ncu, H200, session 40; the documents' dK/dV kernel 445 -> 392 us).
+struct KeySpans {
+    int lo[2], hi[2];
+    bool ranged;  // false: the ids are not sorted in this batch row; the form tests ids per element
+};
+// The same for the C-fragment form of a one-m-tile warp (the warp-specialized forward's consumers): a thread's
+// two query rows (row0 + lane / 4, + 8) and the keys each sees, read once per query block (row_spans).
+using RowSpans = KeySpans;
+
 // Causal and window (runtime), segment ids, block ids and a bool mask. Query row i (< Sq) sees key j (< Sk) iff
 //   -window_left <= j - i - causal_offset <= window_right   (causal: window_right <= 0, folded on the host)
 //   and q_segment_ids[i] == k_segment_ids[j]   (when given)
@@ -144,19 +157,6 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
 // kRanged: the tile forms (apply, apply_transposed) test each row's range of keys (each key's range of
 // queries) where the ids are sorted or absent (IdRanges in params.cuh, written by the pre-pass), instead of
 // the ids; MaskOf turns it off with a bool mask or dropout, whose variants spilled with it.
-// A thread's two keys (key_row, key_row + 8) and the queries each is seen by, [lo, hi): what the transposed
-// ranged form reads per key from the pre-pass (IdRanges) and cuts by the window. The keys stay the thread's for
-// its whole key block, so a dK/dV mainloop reads them once there (key_spans) instead of at every partial step,
-// where the three dependent global loads (the batch row's flag, two ranges) stood in the step's critical path:
-// 37% of the partial steps' stall samples on 8 causal documents (ncu, H200, session 40).
-struct KeySpans {
-    int lo[2], hi[2];
-    bool ranged;  // false: the ids are not sorted in this batch row; the form tests ids per element
-};
-// The same for the C-fragment form of a one-m-tile warp (the warp-specialized forward's consumers): a thread's
-// two query rows (row0 + lane / 4, + 8) and the keys each sees, read once per query block (row_spans).
-using RowSpans = KeySpans;
-
 template <bool kBool, bool kRanged = !kBool>
 struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // The scalars of the per-element test stay in registers (read once: a parameter read inside the loops
