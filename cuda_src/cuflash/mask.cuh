@@ -222,17 +222,8 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // per warp): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
     __device__ __forceinline__ conditional_t<kRanged, RowSpans, NoSpans> row_spans(int row0) const {
         if constexpr (kRanged) {
-            const IdRanges r = kv_id_ranges(p);
-            const int lane = threadIdx.x % 32;
-            RowSpans spans;
-            spans.ranged = ranged(r);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int2 keys = spans.ranged ? row_keys(r, row0 + lane / 4 + half * 8) : make_int2(0, 0);
-                spans.lo[half] = keys.x;
-                spans.hi[half] = keys.y;
-            }
-            return spans;
+            return read_spans(kv_id_ranges(p), row0 + threadIdx.x % 32 / 4,
+                              [&](const IdRanges& r, int row) { return row_keys(r, row); });
         } else {
             return {};
         }
@@ -269,16 +260,8 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // block): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
     __device__ __forceinline__ conditional_t<kRanged, KeySpans, NoSpans> key_spans(int key_row, int rows_valid) const {
         if constexpr (kRanged) {
-            const IdRanges r = q_id_ranges(p);
-            KeySpans spans;
-            spans.ranged = ranged(r);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int2 queries = spans.ranged ? key_queries(r, key_row + half * 8, rows_valid) : make_int2(0, 0);
-                spans.lo[half] = queries.x;
-                spans.hi[half] = queries.y;
-            }
-            return spans;
+            return read_spans(q_id_ranges(p), key_row,
+                              [&](const IdRanges& r, int key) { return key_queries(r, key, rows_valid); });
         } else {
             return {};
         }
@@ -296,6 +279,21 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     }
 
   private:
+    // The spans of a thread's two positions (first, first + 8) through span_of(r, position), after the batch
+    // row's flag: no range is read where the row's ids are unsorted (the forms then test ids).
+    template <typename SpanOf>
+    __device__ __forceinline__ KeySpans read_spans(const IdRanges& r, int first, SpanOf&& span_of) const {
+        KeySpans spans;
+        spans.ranged = ranged(r);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int2 s = spans.ranged ? span_of(r, first + half * 8) : make_int2(0, 0);
+            spans.lo[half] = s.x;
+            spans.hi[half] = s.y;
+        }
+        return spans;
+    }
+
     // The ids' form of apply: per element with one m-tile per warp, by rows with several.
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void apply_ids(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
