@@ -223,7 +223,8 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     __device__ __forceinline__ conditional_t<kRanged, RowSpans, NoSpans> row_spans(int row0) const {
         if constexpr (kRanged) {
             return read_spans(kv_id_ranges(p), row0 + threadIdx.x % 32 / 4,
-                              [&](const IdRanges& r, int row) { return row_keys(r, row); });
+                              [&](const IdRanges& r, int row) { return row_ids(r, row); },
+                              [&](int2 ids, int row) { return row_cut(ids, row); });
         } else {
             return {};
         }
@@ -261,7 +262,8 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     __device__ __forceinline__ conditional_t<kRanged, KeySpans, NoSpans> key_spans(int key_row, int rows_valid) const {
         if constexpr (kRanged) {
             return read_spans(q_id_ranges(p), key_row,
-                              [&](const IdRanges& r, int key) { return key_queries(r, key, rows_valid); });
+                              [&](const IdRanges& r, int key) { return key_ids(r, key); },
+                              [&](int2 ids, int key) { return key_cut(ids, key, rows_valid); });
         } else {
             return {};
         }
@@ -279,15 +281,19 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     }
 
   private:
-    // The spans of a thread's two positions (first, first + 8) through span_of(r, position), after the batch
-    // row's flag: no range is read where the row's ids are unsorted (the forms then test ids).
-    template <typename SpanOf>
-    __device__ __forceinline__ KeySpans read_spans(const IdRanges& r, int first, SpanOf&& span_of) const {
+    // The spans of a thread's two positions (first, first + 8): both ids' ranges read (ids_of(r, position)) after
+    // the batch row's flag, none where the row's ids are unsorted (the forms then test ids), then cut
+    // (cut_of(ids, position)).
+    template <typename IdsOf, typename CutOf>
+    __device__ __forceinline__ KeySpans read_spans(const IdRanges& r, int first, IdsOf&& ids_of, CutOf&& cut_of) const {
         KeySpans spans;
         spans.ranged = ranged(r);
+        int2 ids[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) ids[half] = spans.ranged ? ids_of(r, first + half * 8) : make_int2(0, 0);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int2 s = spans.ranged ? span_of(r, first + half * 8) : make_int2(0, 0);
+            const int2 s = cut_of(ids[half], first + half * 8);
             spans.lo[half] = s.x;
             spans.hi[half] = s.y;
         }
@@ -326,27 +332,40 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // and the end of the keys; empty for a row past Sq. The queries key `key` is seen by, the same way (and
     // below rows_valid). (64-bit window arithmetic: window_left / right may be 1 << 30, "unbounded".)
     __device__ __forceinline__ int2 row_keys(const IdRanges& r, int row) const {
-        // key j has j - row - offset = 0 on the diagonal
-        return span(r, row, seqlen_q, p.seqlen_q, seqlen_k, static_cast<long long>(row) + causal_offset,
-                    window_left, window_right);
+        return row_cut(row_ids(r, row), row);
     }
     __device__ __forceinline__ int2 key_queries(const IdRanges& r, int key, int rows_valid) const {
+        return key_cut(key_ids(r, key), key, rows_valid);
+    }
+    // The two halves of those: the ids' range (a load), then its cut by the window (arithmetic only), so that
+    // read_spans can issue a thread's two loads before either cut.
+    __device__ __forceinline__ int2 row_ids(const IdRanges& r, int row) const {
+        return ids_span(r, row, seqlen_q, p.seqlen_q);
+    }
+    __device__ __forceinline__ int2 row_cut(int2 ids, int row) const {
+        // key j has j - row - offset = 0 on the diagonal
+        return cut(ids, seqlen_k, static_cast<long long>(row) + causal_offset, window_left, window_right);
+    }
+    __device__ __forceinline__ int2 key_ids(const IdRanges& r, int key) const {
+        return ids_span(r, key, seqlen_k, p.seqlen_k);
+    }
+    __device__ __forceinline__ int2 key_cut(int2 ids, int key, int rows_valid) const {
         // query i has key - i - offset = 0 on the diagonal
-        return span(r, key, seqlen_k, p.seqlen_k, min(seqlen_q, rows_valid),
-                    static_cast<long long>(key) - causal_offset, window_right, window_left);
+        return cut(ids, min(seqlen_q, rows_valid), static_cast<long long>(key) - causal_offset, window_right,
+                   window_left);
     }
     // Position `pos` of one side (of `count`; the ids' rows `stride` apart per batch) sees [lo, hi) of the other
-    // (of `other`): its ids' range, then [diag - before, diag + after].
-    __device__ __forceinline__ int2 span(const IdRanges& r, int pos, int count, int stride, int other, long long diag,
-                                         int before, int after) const {
-        if (pos >= count) return make_int2(0, 0);
-        int lo = 0, hi = other;
-        if (has_seg || has_blk) {
-            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * stride + pos);
-            lo = ids.x, hi = min(hi, ids.y);
-        }
-        lo = static_cast<int>(max(static_cast<long long>(lo), diag - before));
-        hi = static_cast<int>(min(static_cast<long long>(hi), diag + after + 1));
+    // by its ids (everything without ids); nothing past `count` (an empty range, which the cut keeps empty: its
+    // hi <= 0). A predicated load and no arithmetic on it, so that a thread's two reads issue together.
+    __device__ __forceinline__ int2 ids_span(const IdRanges& r, int pos, int count, int stride) const {
+        const bool inside = pos < count;
+        if (!(has_seg || has_blk)) return make_int2(0, inside ? 0x7fffffff : 0);
+        return inside ? __ldg(r.ranges + static_cast<long long>(b) * stride + pos) : make_int2(0, 0);
+    }
+    // [lo, hi) cut to the other side's `other` positions and to [diag - before, diag + after].
+    static __device__ __forceinline__ int2 cut(int2 ids, int other, long long diag, int before, int after) {
+        const int lo = static_cast<int>(max(static_cast<long long>(ids.x), diag - before));
+        const int hi = static_cast<int>(min(static_cast<long long>(min(ids.y, other)), diag + after + 1));
         return make_int2(lo, max(lo, hi));
     }
 
