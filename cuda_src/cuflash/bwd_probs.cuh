@@ -23,13 +23,14 @@ namespace cuflash {
 // key0 / query block query0, in place of S^T. s_lse: this thread's first pair of lse_log2 (the pre-pass's
 // lse_log2_offset of lse) in shared memory.
 // kFullTile: the caller knows every pair of the tile to be visible, inside the sequences (a block list's full
-// entry): no mask code at all.
-template <typename Cfg, int kNT, typename BiasRef = BiasTileRef, bool kFullTile = false>
+// entry): no mask code at all. spans: what the mask read for this thread's keys once per key block
+// (Mask::key_spans), or NoSpans (the mask reads it here).
+template <typename Cfg, int kNT, typename BiasRef = BiasTileRef, bool kFullTile = false, typename Spans = NoSpans>
 __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&aux)[kNT][4],
                                                  const typename Cfg::ScoreMod& mod, const typename Cfg::Mask& mask,
                                                  bool masked, int seqlen_q, int query0, int key0, int key_row0,
                                                  int q_col0, int g, int t, unsigned s_lse, float scale_log2,
-                                                 const BiasRef& bias_tile = BiasRef{}) {
+                                                 const BiasRef& bias_tile = BiasRef{}, const Spans& spans = Spans{}) {
     const int key_row = key0 + key_row0 + g, query_col = query0 + q_col0 + 2 * t;
     mod.apply_transposed(acc, aux, key_row, query_col, bias_tile);
 #pragma unroll
@@ -41,7 +42,7 @@ __device__ __forceinline__ void probs_transposed(float (&acc)[kNT][4], float (&a
     }
     if constexpr (!kFullTile) {
         if ((masked && mask.needs_mask(query0, Cfg::kBlockM, key0, Cfg::kBlockN)) || query0 + Cfg::kBlockM > seqlen_q) {
-            mask.apply_transposed(acc, key_row, query_col, seqlen_q);
+            mask.apply_transposed_spans(acc, spans, key_row, query_col, seqlen_q);
         }
     }
     transform(acc, [](float x) { return fast_exp2(x); });  // masked -inf -> exactly 0

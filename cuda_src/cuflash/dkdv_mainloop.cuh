@@ -113,15 +113,17 @@ struct DkdvMainloop {
     // query). dbias_tile: dbias is stored later from a shared dS^T tile, not here.
     // bias: where the step's bias is staged: OwnBiasTiles (the config's own tiles, or none: read directly), or
     // a BiasTileRef / BiasPanelRef the caller picked (the warp-specialized mainloop, one copy per kind).
-    // kFullTile: a block list's full tile (probs_transposed runs no mask code).
-    template <typename BiasSource = OwnBiasTiles, bool kFullTile = false>
+    // kFullTile: a block list's full tile (probs_transposed runs no mask code). spans: the mask's per-key-block
+    // reads (Mask::key_spans) where the caller made them before its step loop, else NoSpans.
+    template <typename BiasSource = OwnBiasTiles, bool kFullTile = false, typename Spans = NoSpans>
     static __device__ __forceinline__ void probs_and_dscores(const AttnParams& params, int b, int step_head,
                                                              const typename Cfg::Mask& mask, bool masked,
                                                              int seqlen_q, int query0, int key0, unsigned smem,
                                                              int stage, unsigned s_q, unsigned s_do, const Role& r,
                                                              bool dbias_tile, float (&acc_s)[kMTiles][4],
                                                              float (&acc_dp)[kMTiles][4],
-                                                             const BiasSource& bias = BiasSource{}) {
+                                                             const BiasSource& bias = BiasSource{},
+                                                             const Spans& spans = Spans{}) {
         float aux[kMTiles][4];  // the score modifier's backward factor (dropped for the identity)
         const typename Cfg::ScoreMod mod(params, b, step_head, mask.causal_offset);
         Math::scores(acc_s, acc_dp, smem, s_q, s_do, r);
@@ -130,7 +132,7 @@ struct DkdvMainloop {
         const auto bias_tile = bias_ref(bias, params, smem, stage, query0, key0);
         probs_transposed<Cfg, kMTiles, typename BiasRefOf<BiasSource>::type, kFullTile>(
             acc_s, aux, mod, mask, masked, seqlen_q, query0, key0, r.key_row0, r.q_col0, r.g, r.t, s_lse,
-            Cfg::ScoreMod::exp_factor(params), bias_tile);
+            Cfg::ScoreMod::exp_factor(params), bias_tile, spans);
         if constexpr (Cfg::Dropout::kEnabled) {  // dropped probabilities marked (dropout.cuh)
             const typename Cfg::Dropout dropout(params, b, step_head);
             dropout.mark_transposed(acc_s, key0 + r.key_row0 + r.g, query0 + r.q_col0 + 2 * r.t);

@@ -440,6 +440,17 @@ struct DkdvMainloopSm90Ws {
         const int key0 = n_block * Cfg::kBlockN;
         const int seqlen_q = mask.seqlen_q;
         Cursor c = start(n_block, h0, num_m_blocks, ordered_dq(params));
+        // The mask's reads for this thread's keys, once for the key block (issued before the wait for K / V).
+        // Not with a bias: beside its tiles the held spans cost the consumers 26-128 bytes more spill (ptxas
+        // 13.0); those steps read them as before.
+        const auto spans = [&] {
+            if constexpr (Cfg::kBias) {
+                return NoSpans{};
+            } else {
+                const Role r0(tid);
+                return mask.key_spans(key0 + r0.key_row0 + r0.g, seqlen_q);
+            }
+        }();
         if (num_steps > 0) sm90::mbarrier_wait(kv_full(smem), 0);
         for (int step = 0; step < num_steps; ++step) {
             const int s = step % kStages;
@@ -469,12 +480,12 @@ struct DkdvMainloopSm90Ws {
                 if constexpr (Cfg::kBiasInDs) {
                     Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q,
                                              s_do, r, dbias_tile, acc_s, acc_dp,
-                                             Cfg::BiasPanel::ref(ds_tile(smem, step), query0, key0));
+                                             Cfg::BiasPanel::ref(ds_tile(smem, step), query0, key0), spans);
                 } else {
                     Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q,
                                              s_do, r, dbias_tile, acc_s, acc_dp,
                                              Steps::bias_ref(OwnBiasTiles{}, params, smem, s, query0,
-                                                             key0));
+                                                             key0), spans);
                 }
             } else if (Cfg::Blocks::kListed && !Cfg::kBias && !masked) {
                 // A block list's full tile: a copy of the step without the mask's code, whose registers (ids,
@@ -485,7 +496,7 @@ struct DkdvMainloopSm90Ws {
                                                                      acc_s, acc_dp, BiasTileRef::none());
             } else {
                 Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
-                                         r, dbias_tile, acc_s, acc_dp, BiasTileRef::none());
+                                         r, dbias_tile, acc_s, acc_dp, BiasTileRef::none(), spans);
             }
             if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask)) {
                 if (dbias_order::enabled(params)) {  // every consumer's adds are visible: the next rank's turn

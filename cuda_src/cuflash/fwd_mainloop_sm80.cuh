@@ -212,9 +212,11 @@ struct FwdWork {
     // bias without a softcap. The warp-specialized mainloop's consumers take it; on the 8-warp wgmma tile the
     // second copy cost 80-128 bytes of spill, with a softcap 16-130 more on the warp-specialized one (ptxas
     // of NVRTC 13.5).
-    template <bool kSplitBiasReads = false, int kMTiles, int kNTiles>
+    // spans: the mask's reads for this thread's rows made once per query block (Mask::row_spans; the
+    // warp-specialized consumers), else NoSpans (the mask reads them here).
+    template <bool kSplitBiasReads = false, int kMTiles, int kNTiles, typename Spans = NoSpans>
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n,
-                                                    int ring_j) const {
+                                                    int ring_j, const Spans& spans = Spans{}) const {
         const int warp_row_begin = row_begin + warp_row0;
         if constexpr (Cfg::kBias && Loads::kPanelBias) {  // staged in panels, or read directly: two loops
             if (loads.params.bias_staged) {
@@ -241,7 +243,7 @@ struct FwdWork {
             maybe_hidden = mask.needs_mask(warp_row_begin, Cfg::kWarpRows, n * Cfg::kBlockN + Cfg::warp_key0(),
                                            Cfg::kWarpKeys);
         }
-        if (maybe_hidden) mask.apply(acc_s, warp_row_begin, n * Cfg::kBlockN + Cfg::warp_key0());
+        if (maybe_hidden) mask.apply_spans(acc_s, spans, warp_row_begin, n * Cfg::kBlockN + Cfg::warp_key0());
     }
     template <int kMTiles, int kNTiles>
     __device__ __forceinline__ void modify_and_mask(float (&acc_s)[kMTiles][kNTiles][4], int j, int n) const {

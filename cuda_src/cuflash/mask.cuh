@@ -40,10 +40,28 @@ __host__ __device__ constexpr bool mask_has_bool(int kind) {
 }
 __host__ __device__ constexpr bool mask_has_dropout(int kind) { return kind >= kGeneralDropoutMask; }
 
+// What a policy reads once per block for its tile forms (key_spans / row_spans): nothing, unless the policy
+// has spans (GeneralMaskOf's KeySpans / RowSpans, below).
+struct NoSpans {};
+
 // The apply forms every policy shares, written against its visible(row, col).
 template <typename Policy>
 struct MaskTiles {
     __device__ __forceinline__ const Policy& self() const { return *static_cast<const Policy*>(this); }
+
+    // The per-block state of apply / apply_transposed (the policies without one: none; the forms read as before).
+    __device__ __forceinline__ NoSpans key_spans(int, int) const { return {}; }
+    __device__ __forceinline__ NoSpans row_spans(int) const { return {}; }
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_spans(float (&acc)[kMTiles][kNTiles][4], const NoSpans&, int row0,
+                                                int col0) const {
+        self().apply(acc, row0, col0);
+    }
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed_spans(float (&acc)[kNTiles][4], const NoSpans&, int key_row,
+                                                           int query_col, int rows_valid) const {
+        self().apply_transposed(acc, key_row, query_col, rows_valid);
+    }
 
     // Sets invisible scores of a C-fragment tile to -inf.
     template <int kMTiles, int kNTiles>
@@ -111,6 +129,19 @@ struct AttnMask : MaskTiles<AttnMask<kIsCausal>> {
         return false;
     }
 };
+
+// A thread's two keys (key_row, key_row + 8) and the queries each is seen by, [lo, hi): what the transposed
+// ranged form reads per key from the pre-pass (IdRanges) and cuts by the window. The keys stay the thread's for
+// its whole key block, so a dK/dV mainloop reads them once there (key_spans) instead of at every partial step,
+// where its three dependent global loads (the batch row's flag, two ranges) held a quarter of the partial steps'
+// stall samples on 8 causal documents (ncu, H200, session 40; the documents' dK/dV kernel 445 -> 392 us).
+struct KeySpans {
+    int lo[2], hi[2];
+    bool ranged;  // false: the ids are not sorted in this batch row; the form tests ids per element
+};
+// The same for the C-fragment form of a one-m-tile warp (the warp-specialized forward's consumers): a thread's
+// two query rows (row0 + lane / 4, + 8) and the keys each sees, read once per query block (row_spans).
+using RowSpans = KeySpans;
 
 // Causal and window (runtime), segment ids, block ids and a bool mask. Query row i (< Sq) sees key j (< Sk) iff
 //   -window_left <= j - i - causal_offset <= window_right   (causal: window_right <= 0, folded on the host)
@@ -181,18 +212,36 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     __device__ __forceinline__ void apply(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
         if (kRanged && ranged(kv_id_ranges(p))) {
             apply_ranged(acc, row0, col0);
-        } else if constexpr (kMTiles == 1) {
-            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
-                if (!visible_ranges(row, col)) x = -INFINITY;
-            });
         } else {
-            apply_by_rows(acc, row0, col0);
+            apply_ids(acc, row0, col0);
         }
-        if (has_bool) {  // scores still visible, inside the sequences: one mask byte each
-            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
-                if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
-            });
+        apply_bool(acc, row0, col0);
+    }
+
+    // The same with the thread's row spans read beforehand (row_spans(row0), once per query block; one m-tile
+    // per warp): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
+    __device__ __forceinline__ conditional_t<kRanged, RowSpans, NoSpans> row_spans(int row0) const {
+        if constexpr (kRanged) {
+            return read_spans(kv_id_ranges(p), row0 + threadIdx.x % 32 / 4,
+                              [&](const IdRanges& r, int row) { return row_ids(r, row); },
+                              [&](int2 ids, int row) { return row_cut(ids, row); });
+        } else {
+            return {};
         }
+    }
+    using MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_spans;
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_spans(float (&acc)[kMTiles][kNTiles][4], const RowSpans& spans, int row0,
+                                                int col0) const {
+        static_assert(kMTiles == 1, "row spans hold one m-tile's two rows");
+        if (spans.ranged) {
+            const int col_base = col0 + (threadIdx.x % 32 % 4) * 2;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) keep_span(acc[0], half, spans.lo[half] - col_base, spans.hi[half] - col_base);
+        } else {
+            apply_ids(acc, row0, col0);
+        }
+        apply_bool(acc, row0, col0);
     }
 
     // The transposed form (the dK/dV kernels' S^T: a thread's 2 keys as rows, kNTiles x 2 queries as
@@ -208,7 +257,70 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
         }
     }
 
+    // The same with the thread's key spans read beforehand (key_spans(key_row, rows_valid), once per key
+    // block): per score only the two compares. Without kRanged there are no spans (NoSpans, above).
+    __device__ __forceinline__ conditional_t<kRanged, KeySpans, NoSpans> key_spans(int key_row, int rows_valid) const {
+        if constexpr (kRanged) {
+            return read_spans(q_id_ranges(p), key_row,
+                              [&](const IdRanges& r, int key) { return key_ids(r, key); },
+                              [&](int2 ids, int key) { return key_cut(ids, key, rows_valid); });
+        } else {
+            return {};
+        }
+    }
+    using MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed_spans;
+    template <int kNTiles>
+    __device__ __forceinline__ void apply_transposed_spans(float (&acc)[kNTiles][4], const KeySpans& spans, int key_row,
+                                                           int query_col, int rows_valid) const {
+        if (spans.ranged) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) keep_span(acc, half, spans.lo[half] - query_col, spans.hi[half] - query_col);
+        } else {
+            MaskTiles<GeneralMaskOf<kBool, kRanged>>::apply_transposed(acc, key_row, query_col, rows_valid);
+        }
+    }
+
   private:
+    // The spans of a thread's two positions (first, first + 8): both ids' ranges read (ids_of(r, position)) after
+    // the batch row's flag, none where the row's ids are unsorted (the forms then test ids), then cut
+    // (cut_of(ids, position)).
+    template <typename IdsOf, typename CutOf>
+    __device__ __forceinline__ KeySpans read_spans(const IdRanges& r, int first, IdsOf&& ids_of, CutOf&& cut_of) const {
+        KeySpans spans;
+        spans.ranged = ranged(r);
+        int2 ids[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) ids[half] = spans.ranged ? ids_of(r, first + half * 8) : make_int2(0, 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int2 s = cut_of(ids[half], first + half * 8);
+            spans.lo[half] = s.x;
+            spans.hi[half] = s.y;
+        }
+        return spans;
+    }
+
+    // The ids' form of apply: per element with one m-tile per warp, by rows with several.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_ids(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        if constexpr (kMTiles == 1) {
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (!visible_ranges(row, col)) x = -INFINITY;
+            });
+        } else {
+            apply_by_rows(acc, row0, col0);
+        }
+    }
+    // The bool mask's pass: scores still visible, inside the sequences, one mask byte each.
+    template <int kMTiles, int kNTiles>
+    __device__ __forceinline__ void apply_bool(float (&acc)[kMTiles][kNTiles][4], int row0, int col0) const {
+        if (has_bool) {
+            for_each_score(acc, row0, col0, [&](float& x, int row, int col, int, int, int) {
+                if (row < seqlen_q && col < seqlen_k && x != -INFINITY && !bool_mask(row, col)) x = -INFINITY;
+            });
+        }
+    }
+
     // Whether the tile forms can test ranges instead of ids: always without ids (the window alone is a range
     // per row), and with ids where the pre-pass found them sorted in this batch (IdRanges, params.cuh).
     // Uniform across the CTA.
@@ -220,27 +332,40 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
     // and the end of the keys; empty for a row past Sq. The queries key `key` is seen by, the same way (and
     // below rows_valid). (64-bit window arithmetic: window_left / right may be 1 << 30, "unbounded".)
     __device__ __forceinline__ int2 row_keys(const IdRanges& r, int row) const {
-        // key j has j - row - offset = 0 on the diagonal
-        return span(r, row, seqlen_q, p.seqlen_q, seqlen_k, static_cast<long long>(row) + causal_offset,
-                    window_left, window_right);
+        return row_cut(row_ids(r, row), row);
     }
     __device__ __forceinline__ int2 key_queries(const IdRanges& r, int key, int rows_valid) const {
+        return key_cut(key_ids(r, key), key, rows_valid);
+    }
+    // The two halves of those: the ids' range (a load), then its cut by the window (arithmetic only), so that
+    // read_spans can issue a thread's two loads before either cut.
+    __device__ __forceinline__ int2 row_ids(const IdRanges& r, int row) const {
+        return ids_span(r, row, seqlen_q, p.seqlen_q);
+    }
+    __device__ __forceinline__ int2 row_cut(int2 ids, int row) const {
+        // key j has j - row - offset = 0 on the diagonal
+        return cut(ids, seqlen_k, static_cast<long long>(row) + causal_offset, window_left, window_right);
+    }
+    __device__ __forceinline__ int2 key_ids(const IdRanges& r, int key) const {
+        return ids_span(r, key, seqlen_k, p.seqlen_k);
+    }
+    __device__ __forceinline__ int2 key_cut(int2 ids, int key, int rows_valid) const {
         // query i has key - i - offset = 0 on the diagonal
-        return span(r, key, seqlen_k, p.seqlen_k, min(seqlen_q, rows_valid),
-                    static_cast<long long>(key) - causal_offset, window_right, window_left);
+        return cut(ids, min(seqlen_q, rows_valid), static_cast<long long>(key) - causal_offset, window_right,
+                   window_left);
     }
     // Position `pos` of one side (of `count`; the ids' rows `stride` apart per batch) sees [lo, hi) of the other
-    // (of `other`): its ids' range, then [diag - before, diag + after].
-    __device__ __forceinline__ int2 span(const IdRanges& r, int pos, int count, int stride, int other, long long diag,
-                                         int before, int after) const {
-        if (pos >= count) return make_int2(0, 0);
-        int lo = 0, hi = other;
-        if (has_seg || has_blk) {
-            const int2 ids = __ldg(r.ranges + static_cast<long long>(b) * stride + pos);
-            lo = ids.x, hi = min(hi, ids.y);
-        }
-        lo = static_cast<int>(max(static_cast<long long>(lo), diag - before));
-        hi = static_cast<int>(min(static_cast<long long>(hi), diag + after + 1));
+    // by its ids (everything without ids); nothing past `count` (an empty range, which the cut keeps empty: its
+    // hi <= 0). A predicated load and no arithmetic on it, so that a thread's two reads issue together.
+    __device__ __forceinline__ int2 ids_span(const IdRanges& r, int pos, int count, int stride) const {
+        const bool inside = pos < count;
+        if (!(has_seg || has_blk)) return make_int2(0, inside ? 0x7fffffff : 0);
+        return inside ? __ldg(r.ranges + static_cast<long long>(b) * stride + pos) : make_int2(0, 0);
+    }
+    // [lo, hi) cut to the other side's `other` positions and to [diag - before, diag + after].
+    static __device__ __forceinline__ int2 cut(int2 ids, int other, long long diag, int before, int after) {
+        const int lo = static_cast<int>(max(static_cast<long long>(ids.x), diag - before));
+        const int hi = static_cast<int>(min(static_cast<long long>(min(ids.y, other)), diag + after + 1));
         return make_int2(lo, max(lo, hi));
     }
 
