@@ -43,7 +43,8 @@ class Case:
     causal: bool
     deterministic: bool
     dlse: bool
-    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, mask, maskheads,
+    options: str = ""  # "+"-joined: window, segments, blocks, softcap, alibi, bias, biasheads, biaskeys (a key
+    #                    bias (1, Hkv, 1, Sk)), mask, maskheads,
     #                    varlen (B packed sequences of random lengths <= Sq / Sk, uncovered rows after them),
     #                    dropout (dropout_p 0.3 with a fixed seed),
     #                    kvcache (attention_with_kvcache: Sk = the cache's capacity, ragged lengths, Sq new tokens
@@ -91,6 +92,10 @@ def cases(quick: bool = False) -> list:
                  False, False, False, "biasheads+softcap"),
             Case("broadcast bias, deterministic: the dbias adds take turns (dbias_order.cuh), D 128, causal", dtype, 3,
                  140, 150, 4, 2, 128, 128, True, True, False, "biasheads"),
+            Case("key bias, deterministic: each thread's own partials (bias.cuh add_owned), D 128, window", dtype, 2,
+                 150, 170, 4, 2, 128, 128, False, True, False, "biaskeys+window"),
+            Case("key bias, deterministic, D 64, causal, documents", dtype, 2, 130, 140, 4, 1, 64, 64, True, True,
+                 True, "biaskeys+segments"),
             Case("full bias on the persistent warp-specialized forward: 140 tiles, staged bias tiles", dtype, 35, 70,
                  96, 4, 2, 128, 128, False, False, False, "bias"),
             Case("broadcast bias + documents: the tile queue with staged bias tiles, D 64", dtype, 12, 300, 296, 8, 2,
@@ -174,8 +179,9 @@ def _options(case: Case, rng) -> dict:
                                  else np.concatenate([np.zeros((case.B, case.Sq - case.Sk), np.int32), ids], 1)),
                     cupy.asarray(ids))
             opts["segment_ids" if name == "segments" else "block_ids"] = pair
-        elif name in ("bias", "biasheads"):
-            shape = (case.B if name == "bias" else 1, case.H, case.Sq, case.Sk)
+        elif name in ("bias", "biasheads", "biaskeys"):
+            shape = {"bias": (case.B, case.H, case.Sq, case.Sk), "biasheads": (1, case.H, case.Sq, case.Sk),
+                     "biaskeys": (1, case.Hkv, 1, case.Sk)}[name]
             opts["bias"] = _device_array(rng, shape, _dtype(case.dtype))
         elif name in ("mask", "maskheads"):
             shape = (case.B, case.Hkv if name == "maskheads" else 1, case.Sq, case.Sk)
@@ -302,7 +308,7 @@ def kernel_names(case_list, arch: int) -> list:
                                 int("alibi" in names_in), c.Sk, True, 3 if "split" in names_in else 1, arch, 132)
             names.update(launch.variant.name for launch in plan.launches)
             continue
-        bias = bool(names_in & {"bias", "biasheads"})
+        bias = bool(names_in & {"bias", "biasheads", "biaskeys"})
         mod = (kernels.MOD_BIAS_SOFTCAP if "softcap" in names_in else kernels.MOD_BIAS) if bias else int(
             bool(names_in & {"softcap", "alibi"}))
         shape = kernels.ProblemShape(c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.Dv, c.dtype, c.causal,

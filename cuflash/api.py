@@ -9,12 +9,11 @@ a check reads, so a cache hit can never skip a check whose outcome could differ.
 from __future__ import annotations
 
 import contextlib
-import math
 
 from . import launch, validation
 from .arrays import TensorDesc, array_key, describe, dtype_name, require_cuda, resolve_stream
-from . import kernels
-from .kernels import ProblemShape, is_general
+from . import dbias as dbias_sums
+from .kernels import ProblemShape
 
 #: At most this many call plans per entry point; past it the cache starts over (a workload with that
 #: many distinct shapes is paying for planning anyway).
@@ -316,13 +315,13 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
         key = plan = None
     if plan is not None and launch.current_device() == plan.device:
-        return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers, dbias, dbias_ptr)
+        return _hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers, dbias, dbias_ptr, lse, dlse)
     return _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
                      stream, options, key, dbias, bias_grad=bias_grad)
 
 
 def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None,
-                  dbias=None, dbias_ptr=0):
+                  dbias=None, dbias_ptr=0, lse=None, dlse=None):
     """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
     ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation;
     ``option_pointers``: the score options' arrays (None without options). A plan with a bias takes
@@ -351,19 +350,16 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     else:
         scratch_pointers = [scratch[field] if i is not None else 0 for field, i in zip(_SCRATCH_FIELDS,
                                                                                       plan.scratch_slots)]
-    accum = dbias_d = None
+    sums = dbias_d = None
     accum_ptr = 0
-    if plan.dbias is not None and (plan.dbias[2] or plan.dbias_accum is not None):
+    if plan.dbias is not None and (plan.dbias[2] or plan.dbias_sums is not None):
         dbias_d = describe(grads[3], "dbias")  # a CuPy view of any caller's array (torch, JAX, CuPy)
         with _on_stream(stream):
-            if plan.dbias_accum is None:  # tiles a mask skips are never visited: their dbias is 0
+            if plan.dbias_sums is None:  # tiles a mask skips are never visited: their dbias is 0
                 dbias_d.array.fill(0)
-            elif plan.dbias_accum[3]:  # an fp32 bias sums in dbias itself
-                dbias_d.array.fill(0)
-                accum_ptr, dbias_ptr = dbias_ptr, 0
-            else:
-                accum = _new_accumulator(*plan.dbias_accum[:3])
-                accum_ptr, dbias_ptr = accum.data.ptr, 0
+            else:  # a broadcast bias: its fp32 sums (dbias.Sums)
+                sums = plan.dbias_sums.buffer(dbias_d)
+                accum_ptr, dbias_ptr = (0 if sums is None else sums.data.ptr), 0
     block = (*pointers[:9], *scratch_pointers[:5], pointers[9])
     if option_pointers is not None:
         block += (*option_pointers[:5], *scratch_pointers[5:])
@@ -372,9 +368,9 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     stream_ptr = _stream_ptr(stream)
     plan.launch(block, stream_ptr)
     del owner
-    if accum is not None:
+    if plan.dbias_sums is not None and dbias_d is not None:
         with _on_stream(stream):
-            _convert_dbias(accum, dbias_d, plan.dbias_accum[4], plan.device, stream_ptr)
+            plan.dbias_sums.finish(sums, dbias_d, plan.device, stream_ptr, lse, dlse)
     return tuple(grads)
 
 
@@ -408,8 +404,9 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             raise ValueError("dbias= was given with bias_grad=False: pass one or the other")
         with_dbias = opts.bias is not None and bool(bias_grad)
         plan = None if no_work else launch.backward_plan(shape, dev, bool(deterministic))
-        bias_fields, dbias_d, dbias_accum = (_dbias_buffers(opts, shape, dbias, dev, deterministic, no_work, plan)
-                                             if with_dbias else ((), None, None))
+        bias_fields, dbias_d, sums, sums_buffer = (
+            _dbias_buffers(opts, shape, dbias, dev, deterministic, no_work, plan) if with_dbias
+            else ((), None, None, None))
         if not no_work:
             # `owners` keeps freshly allocated scratch alive until the launches are enqueued; after
             # that CuPy's stream-ordered pool may reuse it only for work ordered behind them.
@@ -432,16 +429,12 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             call = launch.CallPlan(plan, dev, params, len(pointers), outputs, bias=opts.bias_layout(), qkv=qkv)
             call.launch(pointers, stream.ptr)
             del owners
-            in_place = dbias_accum is not None and dbias_accum is dbias_d.array
-            if dbias_accum is not None and not in_place:  # fp32 sums -> the bias's dtype
-                _convert_dbias(dbias_accum, dbias_d, dtype, dev, stream.ptr)
+            if sums is not None:  # a broadcast bias: its sums into dbias
+                sums.finish(sums_buffer, dbias_d, dev, stream.ptr, lse, dlse)
             if with_dbias:  # what a hit allocates when dbias= is not given, and whether it zeroes it (a full-shape
-                # bias's tiles that a mask skips are never visited, as _dbias_buffers does)
-                call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0 and dbias_accum is None)
-                if dbias_accum is not None:  # a broadcast bias: what a hit's fp32 accumulator needs
-                    fields = dict(bias_fields)
-                    call.dbias_accum = (tuple(opts.bias.shape), fields.get("dbias_order_qblocks", 0),
-                                        fields.get("dbias_order_kblocks", 0), in_place, dtype)
+                # bias's tiles that a mask skips are never visited, as _dbias_buffers does); a broadcast bias's sums
+                call.dbias = (tuple(opts.bias.shape), np_dtype, shape.mask_kind != 0 and sums is None)
+                call.dbias_sums = sums
             if key is not None and not switched:
                 _remember(_backward_plans, key, call)
     grads = tuple(d.array if given is None else given for d, given in ((dq_d, dq), (dk_d, dk), (dv_d, dv)))
@@ -450,55 +443,20 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
     return grads
 
 
-def _new_accumulator(bias_shape: tuple, q_blocks: int = 0, k_blocks: int = 0):
-    """A zeroed fp32 accumulator of a broadcast bias's shape; with the ordered adds (q_blocks / k_blocks of the
-    dK/dV tile), their turns' int counters after it in the same zeroed allocation, one per (bias slice, query
-    block, key block) (cuda_src/cuflash/dbias_order.cuh)."""
-    import cupy
-
-    if not q_blocks:
-        return cupy.zeros(bias_shape, dtype=cupy.float32)
-    elements = math.prod(bias_shape)
-    storage = cupy.zeros(elements + bias_shape[0] * bias_shape[1] * q_blocks * k_blocks, dtype=cupy.float32)
-    return storage[:elements].reshape(bias_shape)
-
-
-def _convert_dbias(accum, dbias_d, dtype: str, device: int, stream_ptr: int) -> None:
-    """A broadcast bias's fp32 sums into dbias: the conversion kernel for fp16 / bf16 where dbias is contiguous
-    and 16-byte aligned (always so when cuflash allocates it), else CuPy's cast or copy (a dbias= view of
-    another layout; an fp32 bias whose sums could not be made in dbias itself: the ordered adds' counters)."""
-    import cupy
-
-    if dtype != "float32" and dbias_d.array.flags.c_contiguous and dbias_d.ptr % 16 == 0:
-        launch.convert_dbias(accum, dbias_d.ptr, dtype, device, stream_ptr)
-    else:
-        cupy.copyto(dbias_d.array, accum, casting="unsafe")
-
-
 def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic: bool, no_work: bool,
                    plan=None) -> tuple:
-    """``(params fields, dbias description, fp32 accumulator or None)`` for a backward with a bias.
-
-    A bias with an element per (b, h, i, j) gets its gradient stored by the dK/dV kernels, each element
-    once (zero-filled first where a mask skips tiles). A broadcast bias gets fp32 sums over its broadcast
-    dims in a zeroed accumulator of its own shape (never a dense (B, H, Sq, Sk) temporary), which is then
-    converted: atomic adds, or with deterministic=True adds that take turns in a fixed order (counters
-    after the accumulator, cuda_src/cuflash/dbias_order.cuh), where :func:`_ordered_dbias_refusal` allows."""
+    """``(params fields, dbias description, dbias.Sums or None, its fp32 buffer or None)`` for a backward with a
+    bias. A bias with an element per (b, h, i, j) gets its gradient stored by the dK/dV kernels, each element
+    once (zero-filled first where a mask skips tiles). A broadcast bias's gradient is summed over its broadcast
+    dims (never through a dense (B, H, Sq, Sk) temporary) as :func:`cuflash.dbias.plan_sums` says."""
     import cupy
 
     if opts.bias is None:
-        return (), None, None
+        return (), None, None, None
     bias = opts.bias
     full = opts.bias_is_full(shape)
-    ordered = not full and deterministic and not no_work
-    if ordered:
-        refusal = _ordered_dbias_refusal(opts, shape)
-        if refusal:
-            raise NotImplementedError(
-                f"deterministic=True with a bias of shape {tuple(bias.shape)}, which broadcasts to "
-                f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
-                f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
-                f"(bias.expand(...)), use deterministic=False, or bias_grad=False where the bias needs no gradient")
+    if deterministic and not full and not no_work and dbias_sums.ordered_refusal(opts, shape):
+        dbias_sums.plan_sums(opts, shape, deterministic, plan, None)  # raises, naming the form, before allocating
     if dbias is None:
         dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
     else:
@@ -513,52 +471,17 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
             raise ValueError(f"dbias must have non-negative strides and an element-aligned base pointer")
     if no_work:
         dbias_d.array.fill(0)
-        return (), dbias_d, None
+        return (), dbias_d, None, None
     if full:
         if shape.mask_kind != 0:  # tiles the mask skips are never visited: their dbias is 0
             dbias_d.array.fill(0)
         st = dbias_d.strides
         fields = dict(dbias=dbias_d.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1], dbias_row_stride=st[2],
                       dbias_col_stride=st[3])
-        return tuple(fields.items()), dbias_d, None
-    order = {}
-    if ordered:  # the turns' counters after the accumulator, zeroed with it
-        dkdv = next(l.variant.config for l in plan.launches if l.variant.name in _DKDV_KERNELS)
-        # The kernels carry the turns where a deterministic plan runs them (dbias_order.cuh, dkdv_mainloop.cuh):
-        # the warp-specialized dK/dV kernel, or another one without the atomic dQ adds.
-        assert not getattr(dkdv, "atomic_dq", False) or dkdv.mainloop == kernels.backward.MAINLOOP_SM90_WS, dkdv
-        q_blocks, k_blocks = -(-shape.seqlen_q // dkdv.block_m), -(-shape.seqlen_k // dkdv.block_n)
-        order = dict(dbias_order_offset=math.prod(bias.shape), dbias_order_qblocks=q_blocks,
-                     dbias_order_kblocks=k_blocks)
-        accum = _new_accumulator(tuple(bias.shape), q_blocks, k_blocks)
-    elif shape.dtype == "float32" and dbias_d.array.flags.c_contiguous:  # the sums are dbias itself
-        accum = dbias_d.array
-        accum.fill(0)
-    else:
-        accum = _new_accumulator(tuple(bias.shape))
-    st = [s // 4 if n > 1 else 0 for n, s in zip(accum.shape, accum.strides)]
-    fields = dict(dbias_accum=accum.data.ptr, dbias_batch_stride=st[0], dbias_head_stride=st[1],
-                  dbias_row_stride=st[2], dbias_col_stride=st[3], **order)
-    return tuple(fields.items()), dbias_d, accum
-
-
-_DKDV_KERNELS = ("cuflash::flash_bwd_dkdv_kernel", "cuflash::flash_bwd_dkdv_simt_kernel")
-
-
-def _ordered_dbias_refusal(opts, shape: ProblemShape) -> str:
-    """Why a deterministic backward cannot order the dbias adds of this broadcast bias ('' where it can): the
-    turns (cuda_src/cuflash/dbias_order.cuh) need each dK/dV CTA to add into a dbias element at most once per
-    query head, so the bias must have the scores' rows and keys (it may broadcast over the batch and the heads),
-    and every contributor must visit the same tiles: no mask but causal (the block lists of the general masks
-    and packed sequences differ by batch row)."""
-    bias = opts.bias
-    if (bias.shape[2], bias.shape[3]) != (shape.seqlen_q, shape.seqlen_k):
-        return "for a bias that broadcasts over the query rows or the keys"
-    if shape.packed:
-        return "for packed sequences"
-    if is_general(shape.mask_kind):
-        return "with window, segment ids, block ids, a bool mask or dropout"
-    return ""
+        return tuple(fields.items()), dbias_d, None, None
+    sums = dbias_sums.plan_sums(opts, shape, deterministic, plan, dbias_d)
+    buffer = sums.buffer(dbias_d)
+    return tuple(sums.fields(buffer).items()), dbias_d, sums, buffer
 
 
 def _scratch(plan, workspace, device: int, shapes_from: str = "cuflash.backward_workspace") -> tuple:

@@ -204,7 +204,7 @@ class CallPlan:
 
     __slots__ = ("device", "launches", "params", "num_pointers", "_pack", "_buffers", "scratch",
                  "scratch_offsets", "scratch_bytes", "scratch_slots", "outputs", "_kernels", "_bias_map", "dbias",
-                 "dbias_accum", "_qkv_maps", "_maps", "_map_pointers", "_maps_at")
+                 "dbias_sums", "_qkv_maps", "_maps", "_map_pointers", "_maps_at")
 
     def __init__(self, plan: Plan, device_id: int, params: np.ndarray, num_pointers: int, outputs=(), bias=None,
                  qkv=None):
@@ -249,9 +249,8 @@ class CallPlan:
         self.scratch_slots = tuple(fields.index(f) if f in fields else None for f in SCRATCH_FIELDS)
         self.outputs = tuple(outputs)  # ((shape, numpy dtype) or None, ...): what a hit allocates
         self.dbias = None  # a backward with a bias: (shape, numpy dtype, zero it first) of the dbias a hit makes
-        # a broadcast bias's fp32 sums: (bias shape, ordered adds' q_blocks, k_blocks (0: unordered), summed in an
-        # fp32 dbias itself, dtype name); None for a full-shape bias (each element stored once) or none
-        self.dbias_accum = None
+        # a broadcast bias's sums (cuflash.dbias.Sums); None for a full-shape bias (each element stored once) or none
+        self.dbias_sums = None
         # A bias loaded by TMA (params.bias_tma): its tensor map names the bias's address, so a call with
         # another bias buffer (same shape and strides: the key) launches with that buffer's map.
         # (shape, element strides, itemsize) of the bias, or None.

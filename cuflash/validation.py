@@ -98,9 +98,11 @@ class ScoreOptions:
             t = self.bias
             strides = [st if n > 1 else 0 for n, st in zip(t.shape, t.strides)]
             # Staged (cuda_src/cuflash/bias.cuh): 16-byte rows of contiguous keys, so the tensor-core kernels
-            # copy its tiles with cp.async; otherwise (and in fp32) they read it element by element.
-            staged = (t.itemsize == 2 and t.shape[3] > 1 and strides[3] == 1 and t.ptr % 16 == 0
-                      and all(st % 8 == 0 for st in strides[:3]))
+            # copy its tiles with cp.async; otherwise (and in fp32) they read it element by element. The keys come
+            # in whole 16-byte chunks, so a row's last chunk must end at its last key: a key bias (row stride 0)
+            # of Sk % 8 != 0 keys would read past its one row (compute-sanitizer's memcheck, session 41).
+            staged = (t.itemsize == 2 and t.shape[3] > 1 and t.shape[3] % 8 == 0 and strides[3] == 1
+                      and t.ptr % 16 == 0 and all(st % 8 == 0 for st in strides[:3]))
             values.update(bias=t.ptr, bias_batch_stride=strides[0], bias_head_stride=strides[1],
                           bias_row_stride=strides[2], bias_col_stride=1 if strides[3] else 0,
                           bias_head_div=max(1, self.num_heads // t.shape[1]) if t.shape[1] > 1 else 1,

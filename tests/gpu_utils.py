@@ -102,7 +102,9 @@ BIAS_KINDS = {
     "keys": "(B, 1, 1, Sk): a key-padding bias with some -inf keys",
     "keyheads": "(1, Hkv, 1, Sk): a learnable key bias per kv head, shared by the batch (dbias summed over it, "
                 "each GQA group and the queries)",
-    "rows": "(B, H, Sq, 1): one value per query row (cancels in the softmax: dbias ~ 0)",
+    "rows": "(B, H, Sq, 1): one value per query row (cancels in the softmax: dbias = dlse where the row sees "
+            "a key)",
+    "scalar": "(1, 1, 1, 1): one value for every score (dbias = dlse summed over the rows that see a key)",
     "expanded": "(1, H, Sq, Sk) broadcast_to (B, H, Sq, Sk): stride 0 over the batch, dbias full-shaped",
     "neginf": "(B, H, Sq, Sk) with ~15% -inf entries and some whole rows of -inf",
     "large": "(B, H, Sq, Sk) with values of +-30",
@@ -430,7 +432,7 @@ def draw_bias(rng, p: Problem):
     full = (p.B, p.H, p.Sq, p.Sk)
     shape = {"heads": (1, p.H, p.Sq, p.Sk), "kv": (p.B, p.Hkv, p.Sq, p.Sk), "shared": (1, 1, p.Sq, p.Sk),
              "keys": (p.B, 1, 1, p.Sk), "keyheads": (1, p.Hkv, 1, p.Sk),
-             "rows": (p.B, p.H, p.Sq, 1), "expanded": (1, p.H, p.Sq, p.Sk)}.get(p.bias, full)
+             "rows": (p.B, p.H, p.Sq, 1), "scalar": (1, 1, 1, 1), "expanded": (1, p.H, p.Sq, p.Sk)}.get(p.bias, full)
     host = rng.standard_normal(shape)
     if p.bias == "keys" and p.Sk > 1:
         host[..., rng.random(p.Sk) < 0.2] = -np.inf

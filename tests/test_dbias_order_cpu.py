@@ -13,7 +13,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import cupy  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import api, launch  # noqa: E402
+from cuflash import api, dbias, launch  # noqa: E402
 
 from fake_gpu import install_fresh  # noqa: E402
 
@@ -48,8 +48,8 @@ def _buffers(gpu, q, k, v, bias, *, causal=False, deterministic=True, **options)
         qd, kd, vd, shape, scale, opts, stream, switched = api._enter_call(
             stack, q, k, v, causal=causal, scale=None, stream=None, options=dict(bias=bias, **options))
         plan = launch.backward_plan(shape, qd.device, deterministic)
-        fields, dbias_d, accum = api._dbias_buffers(opts, shape, None, qd.device, deterministic, False, plan)
-    tile = next(l.variant.config for l in plan.launches if l.variant.name in api._DKDV_KERNELS)
+        fields, dbias_d, _, accum = api._dbias_buffers(opts, shape, None, qd.device, deterministic, False, plan)
+    tile = next(l.variant.config for l in plan.launches if l.variant.name in dbias.DKDV_KERNELS)
     return dict(fields), accum, tile, shape
 
 
@@ -84,9 +84,66 @@ def test_a_full_bias_needs_no_order(gpu):
     assert accum is None and "dbias_order_offset" not in fields and fields["dbias"] != 0
 
 
+@pytest.mark.parametrize("bias_shape,options", [((2, 1, 1, 90), {}), ((1, 2, 1, 90), dict(window=(20, 0))),
+                                                 ((1, 1, 1, 90), dict(segment_ids="ids"))])
+def test_a_key_bias_sums_in_per_thread_partials(gpu, bias_shape, options):
+    """deterministic=True with a key bias (one row, every key), under any mask: zeroed fp32 partials (B, H, slots,
+    Sk) per query head, a slot per warp that shares a key in a step (the D64 mma.sync tile: 2), whose strides the
+    kernels read (bias.cuh add_grad_over_queries); no turns, no counters."""
+    q, k, v = _problem(gpu)
+    if options.get("segment_ids") == "ids":
+        options = dict(segment_ids=(gpu.array((2, 70), np.int32), gpu.array((2, 90), np.int32)))
+    fields, partials, _, _ = _buffers(gpu, q, k, v, gpu.array(bias_shape, BF16), **options)
+    slots = partials.shape[2]
+    assert gpu.zeros == [((2, 4, slots, 90), np.dtype(np.float32))] and slots in (1, 2)
+    assert partials.shape == (2, 4, slots, 90) and fields["dbias_accum"] == partials.data.ptr
+    # per query head h: (h // div) * the head stride + (h % div) * the query-head stride, div = 4 / bias heads
+    div = 4 // bias_shape[1] if bias_shape[1] > 1 else 1
+    assert (fields["dbias_batch_stride"], fields["dbias_head_stride"], fields["dbias_qhead_stride"],
+            fields["dbias_slot_stride"]) == (4 * slots * 90, div * slots * 90, slots * 90, 90)
+    assert (fields["dbias_row_stride"], fields["dbias_col_stride"]) == (0, 1) and "dbias_order_offset" not in fields
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("bias_shape", [(2, 4, 70, 1), (1, 2, 1, 1)])
+def test_a_bias_constant_along_the_keys_takes_no_kernel_adds(gpu, bias_shape, deterministic):
+    """A bias constant along the keys gets dbias from dlse (dbias.py): the kernels get no dbias pointer."""
+    q, k, v = _problem(gpu)
+    fields, accum, _, _ = _buffers(gpu, q, k, v, gpu.array(bias_shape, BF16), deterministic=deterministic,
+                                   window=(20, 0))
+    assert fields == {} and accum is None and gpu.zeros == []
+
+
+def test_the_partials_sum_over_slots_and_broadcast_dims_in_the_bias_head_order():
+    """_sum_key_slots on the host's numbers (NumPy standing in for CuPy): query head h adds into bias head
+    h // (H / Hb), the batch sums where the bias has one row."""
+    rng = np.random.default_rng(0)
+    partials = rng.standard_normal((3, 6, dbias.SIMT_SLOTS, 5)).astype(np.float32)
+    per_head = partials.astype(np.float64).sum(axis=2)
+    for bias_shape in ((3, 6, 1, 5), (3, 2, 1, 5), (1, 3, 1, 5), (1, 1, 1, 5)):
+        want = np.zeros(bias_shape)
+        for b in range(3):
+            for h in range(6):
+                want[b % bias_shape[0], h // (6 // bias_shape[1]), 0] += per_head[b, h]
+        got = dbias._sum_key_slots(partials, bias_shape, xp=np)
+        assert got.shape == bias_shape and np.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_sums_come_from_dlse_where_the_row_sees_a_key():
+    rng = np.random.default_rng(1)
+    lse = rng.standard_normal((2, 4, 7)).astype(np.float32)
+    lse[1, 2, 3] = lse[0, 0, 6] = -np.inf
+    dlse = rng.standard_normal((2, 4, 7)).astype(np.float32)
+    seen = np.where(np.isneginf(lse), 0.0, dlse.astype(np.float64))
+    by_pairs = seen.reshape(2, 2, 2, 7).sum((0, 2))[None, ..., None]  # heads 0-1 -> bias head 0, 2-3 -> 1
+    for bias_shape, want in (((2, 4, 7, 1), seen[..., None]), ((1, 2, 7, 1), by_pairs),
+                             ((2, 1, 1, 1), seen.sum((1, 2))[:, None, None, None])):
+        got = dbias._row_sums_from_lse(lse, dlse, bias_shape, xp=np)
+        assert got.shape == bias_shape and np.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not dbias._row_sums_from_lse(lse, None, (2, 4, 7, 1), xp=np).any()
+
+
 @pytest.mark.parametrize("bias_shape,options,reason", [
-    ((2, 1, 1, 90), {}, "query rows or the keys"),
-    ((2, 4, 70, 1), {}, "query rows or the keys"),
     ((1, 4, 70, 90), dict(window=(20, 0)), "window"),
     ((1, 4, 70, 90), dict(segment_ids="ids"), "segment ids"),
 ])

@@ -77,13 +77,13 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 #: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
 #: none, the short mode's 100 included; the session summary prints how many used each).
 OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5, "dropout": 5}
-#: Bias kinds by mode: deterministic=True takes those with one element per score, and without a general mask
-#: (window, ids, bool mask, dropout) also those broadcast over the batch / heads, whose dbias adds then take
-#: turns (dbias_order.cuh; the rest is refused there); "rows" (whose exact dbias is ~0 without dlse) is left out.
-#: A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes any kind in either mode.
-BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "keyheads", "expanded", "neginf", "large")
-BIAS_FULL_SHAPE = ("full", "expanded", "neginf", "large")
-BIAS_ORDERED = BIAS_FULL_SHAPE + ("heads", "kv", "shared")
+#: Bias kinds by mode: deterministic=True takes those with one element per score, key biases and biases constant
+#: along the keys (cuflash/dbias.py) under any mask, and without a general mask (window, ids, bool mask, dropout)
+#: also those broadcast over the batch / heads, whose dbias adds then take turns (dbias_order.cuh; refused under
+#: one). A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes any kind in either mode.
+BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "keyheads", "rows", "scalar", "expanded", "neginf", "large")
+BIAS_ANY_MASK = ("full", "expanded", "neginf", "large", "keys", "keyheads", "rows", "scalar")
+BIAS_ORDERED = BIAS_ANY_MASK + ("heads", "kv", "shared")
 # A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.
 WINDOW_SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 600))
 
@@ -117,7 +117,7 @@ def problems(draw):
     dropout = _maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85)))
     general = any(option is not None for option in (window, segments, blocks, mask, dropout))
     bias_grad = draw(st.integers(0, 3)) != 0
-    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_FULL_SHAPE if general else BIAS_ORDERED
+    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_ANY_MASK if general else BIAS_ORDERED
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),

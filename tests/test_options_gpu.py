@@ -96,7 +96,8 @@ OPTION_PROBLEMS = _option_problems()
 
 #: The additive bias: every broadcast form (gpu_utils.BIAS_KINDS), -inf entries and rows, values of +-30,
 #: and with the other options. Deterministic with a broadcast bias: the forms over the batch / heads ("heads",
-#: "kv", "shared") order their dbias adds (dbias_order.cuh) without a mask or causal; the others raise (below).
+#: "kv", "shared") order their dbias adds (dbias_order.cuh) without a mask or causal (under one they raise,
+#: below); key biases sum in per-thread partials, biases constant along the keys take dlse (cuflash/dbias.py).
 BIAS_PROBLEMS = []
 for _i, (_kind, _fields) in enumerate((
         ("full", dict()), ("full", dict(causal=True, deterministic=True)), ("heads", dict(dlse=True)),
@@ -121,6 +122,13 @@ BIAS_PROBLEMS += [
     Problem("bf16", B=2, Sq=190, Sk=257, H=6, Hkv=3, D=96, bias="keys", softcap=5.0),
     Problem("bf16", B=2, Sq=129, Sk=200, H=4, Hkv=1, D=128, bias="keys", mask="tiles"),
     Problem("fp32", B=2, Sq=77, Sk=140, H=4, Hkv=2, D=64, bias="keyheads", causal=True),
+]
+# A bias constant along the keys: dbias = dlse where the row sees a key (cuflash/dbias.py), rows that see
+# nothing (a bool mask's all-False rows) included; one scalar for everything.
+BIAS_PROBLEMS += [
+    Problem("bf16", B=2, Sq=190, Sk=257, H=6, Hkv=3, D=128, bias="rows", mask="rows", dlse=True),
+    Problem("fp16", B=2, Sq=129, Sk=77, H=4, Hkv=2, D=64, bias="scalar", causal=True, dlse=True),
+    Problem("fp32", B=1, Sq=100, Sk=130, H=3, Hkv=1, D=64, bias="scalar", window=(20, 5), dlse=True),
 ]
 # bias_grad=False: dq, dk, dv as with dbias, none written (a full-shape bias's stores and a broadcast one's
 # atomics both skipped), the warp-specialized and mma.sync dK/dV kernels and the SIMT fp32 one.
@@ -191,15 +199,15 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
 
 
 def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
-    """deterministic=True with a bias broadcast over the keys (or the query rows, or under a general mask) says
-    it is not implemented (its dbias would sum with atomics); without a dbias buffer the backward allocates one
-    equal to the buffered call's result; dbias= without bias is refused."""
-    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="keys")
+    """deterministic=True with a bias broadcast over the batch / heads under a general mask says it is not
+    implemented (its dbias would sum with atomics); without a dbias buffer the backward allocates one equal to
+    the buffered call's result; dbias= without bias is refused."""
+    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="shared", window=(10, 0))
     x = gu.make_inputs(p)
-    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias, window=(10, 0))
     with pytest.raises(NotImplementedError, match="deterministic"):
-        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, deterministic=True)
-    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias)
+        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, window=(10, 0), deterministic=True)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, window=(10, 0))
     assert len(grads) == 4 and grads[3].shape == x.bias.shape and grads[3].dtype == x.bias.dtype
     with pytest.raises(ValueError, match="dbias"):
         cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, dbias=cupy.empty_like(x.bias))
@@ -415,6 +423,22 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="shared", deterministic=True),
     Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="shared", deterministic=True, dlse=True),
     Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", deterministic=True),
+    # Key biases: each dK/dV thread's sums in partials only it writes (bias.cuh add_owned), under any mask: the
+    # warp-specialized D128 (causal; a window), mma.sync D64 with ids and a softcap and D96 with a bool mask,
+    # D256, an MQA group whose heads one CTA may walk, the SIMT fp32 kernels (16 query threads per key).
+    Problem("bf16", B=3, Sq=300, Sk=300, H=4, Hkv=2, D=128, causal=True, bias="keys", deterministic=True),
+    Problem("bf16", B=2, Sq=333, Sk=290, H=4, Hkv=4, D=128, bias="keyheads", window=(50, 10), deterministic=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, bias="keys", softcap=3.0, segments="docs",
+            deterministic=True),
+    Problem("bf16", B=2, Sq=190, Sk=257, H=6, Hkv=3, D=96, bias="keyheads", mask="tiles", deterministic=True),
+    Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="keyheads", deterministic=True),
+    Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="keyheads", deterministic=True, dlse=True),
+    Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="keys", causal=True, deterministic=True),
+    # Biases constant along the keys (dbias from dlse), with a window and ids.
+    Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, bias="rows", window=(64, 0), deterministic=True,
+            dlse=True),
+    Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, bias="scalar", segments="random", deterministic=True,
+            dlse=True),
     # Biases without a gradient (bias_grad=False): forms whose dbias the turns cannot order (a key-padding bias,
     # a shared bias under a window or ids) are deterministic then; the WS D128 kernel, SIMT fp32, mma.sync D64.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, bias="keys", bias_grad=False,

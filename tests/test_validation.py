@@ -1,5 +1,7 @@
 """Every validation rule of docs/api.md's "Errors" section, on the CPU: each misuse raises a clear error
 that names the argument. (tests/test_extremes_gpu.py repeats the table through the public API on a GPU.)"""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -222,6 +224,17 @@ def test_bias_selects_the_bias_variant_and_maps_its_broadcast_dims():
     _, opts = _check_options(bias=((2, 1, 33, 47), "bfloat16", (33, 33, 1, 0)))
     params = opts.params(False)
     assert (params["bias_head_stride"], params["bias_row_stride"], params["bias_col_stride"]) == (0, 1, 0)
+
+
+@pytest.mark.parametrize("keys,staged", [(47, 0), (48, 1)])
+def test_a_key_bias_is_staged_only_in_whole_16_byte_chunks(keys, staged):
+    """The tensor-core kernels copy a staged bias (params.bias_staged) in 16-byte chunks of keys, so its rows must
+    end at a chunk's end: a key bias (one row, row stride 0) of 47 bf16 keys would read past it (memcheck,
+    session 41); it is read element by element instead."""
+    shape = dataclasses.replace(_SHAPE, seqlen_k=keys)
+    spec = lambda x, name: TensorDesc(name, (1, 1, 1, keys), (keys, keys, keys, 1), "bfloat16", 2, 256, 0)
+    _, opts = validation.check_score_options(shape, {"bias": "the bias"}, spec, 0)
+    assert opts.params(False)["bias_staged"] == staged
 
 
 @pytest.mark.parametrize("options,error,message", [

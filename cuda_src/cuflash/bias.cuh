@@ -160,6 +160,7 @@ struct BiasView {
     template <typename Ref>
     __device__ __forceinline__ float at(int, int, const Ref&) const { return 0.f; }
     __device__ __forceinline__ float2 pair_at(int, int, const BiasTileRef&) const { return make_float2(0.f, 0.f); }
+    template <bool kOwned = false>
     __device__ __forceinline__ void store_grad(const AttnParams&, int, int, int, int, float) const {}
 };
 
@@ -246,11 +247,18 @@ struct BiasView<Elem, true> {
         return p.dbias != nullptr || p.dbias_accum != nullptr;
     }
     // dbias[b, h, row, col] (+)= ds for row < Sq, col < Sk (the parameters are read here, where used);
-    // only where has_grad.
+    // only where has_grad. kOwned: a deterministic key bias's partials too (add_grad_over_queries says why), at
+    // slot row % 16 (the SIMT kernels' calls, per score for every bias; add_grad_over_queries passes its slot
+    // as the row).
+    template <bool kOwned = false>
     __device__ __forceinline__ void store_grad(const AttnParams& p, int b, int h, int row, int col, float ds) const {
         if (row > last_row || col > last_col) return;
-        const long long offset = b * p.dbias_batch_stride + (h / p.bias_head_div) * p.dbias_head_stride +
-                                 row * p.dbias_row_stride + col * p.dbias_col_stride;
+        const int head = h / p.bias_head_div;
+        const long long offset = b * p.dbias_batch_stride + head * p.dbias_head_stride + row * p.dbias_row_stride +
+                                 col * p.dbias_col_stride +
+                                 (kOwned ? (h - head * p.bias_head_div) * p.dbias_qhead_stride +
+                                               (row % 16) * p.dbias_slot_stride
+                                         : 0);
         if (p.dbias_accum != nullptr) {
             red_add(p.dbias_accum + offset, ds);
         } else {
@@ -264,7 +272,13 @@ struct BiasView<Elem, true> {
     // 4g .. 4g + 3, holds the same two keys and the step's other queries) and its lanes 4g add one term per key
     // per step, instead of one per score. Queries past Sq are left out (their dS is 0 only where their inputs
     // are). Called by every lane of the warp (shuffles); only where has_grad.
-    template <int kNTiles>
+    // The deterministic backward's partials (params.dbias_slot_stride != 0): (B, H, slots, Sk), per query head,
+    // where every partial has one writing thread in the whole grid. Its adds then take effect in its program
+    // order (the PTX memory model's coherence order follows program order for one thread and one address), so
+    // the sums are the same bits on every run. The warps that share a key within a step (kQueryParts of them,
+    // DkdvConfig::kWarpsD) take consecutive query parts, and the part's index is the slot; the SIMT kernels'
+    // threads (store_grad<true>) each own the queries of one residue modulo 16, which is theirs.
+    template <int kQueryParts, int kNTiles>
     __device__ __forceinline__ void add_grad_over_queries(const AttnParams& p, int b, int h,
                                                           const float (&ds)[kNTiles][4], int key_row,
                                                           int query_col) const {
@@ -281,9 +295,10 @@ struct BiasView<Elem, true> {
             sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 1);
             sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 2);
         }
-        if ((threadIdx.x & 3) == 0) {
-            store_grad(p, b, h, 0, key_row, sum[0]);
-            store_grad(p, b, h, 0, key_row + 8, sum[1]);
+        if ((threadIdx.x & 3) == 0) {  // row = the slot (the bias has one row)
+            const int slot = kQueryParts == 1 ? 0 : query_col / (kNTiles * 8) % kQueryParts;
+            store_grad<true>(p, b, h, slot, key_row, sum[0]);
+            store_grad<true>(p, b, h, slot, key_row + 8, sum[1]);
         }
     }
 

@@ -69,7 +69,7 @@ __device__ __forceinline__ void dscores_transposed(float (&acc_dp)[kNT][4], cons
             acc_dp[nt][3] = acc_p[nt][3] * (acc_dp[nt][3] - d.y);
         }
     }
-    mod.grad_transposed(acc_dp, aux, params, key_row, query_col, store_dbias);
+    mod.template grad_transposed<Cfg::kWarpsD>(acc_dp, aux, params, key_row, query_col, store_dbias);
 }
 
 // P of the warp's 16 queries (from row0 = query0 + the warp's first row) x kNT*8 keys (from col0) of

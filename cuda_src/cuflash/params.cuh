@@ -149,6 +149,11 @@ struct AttnParams {
     long long dbias_order_offset;
     int dbias_order_qblocks;
     int dbias_order_kblocks;
+    // The deterministic backward's sums of a key bias (broadcast over the query rows): dbias_accum then holds
+    // partials (B, H, slots, Sk) fp32 (BiasView::add_grad_over_queries / store_grad<true>), each written by one
+    // thread, which the host sums in a fixed order. Their strides beyond dbias_head_stride (per bias head): of
+    // the query head within its bias head (h % bias_head_div) and of the slot; 0 and 0 otherwise.
+    long long dbias_qhead_stride, dbias_slot_stride;
 };
 
 // The warp-specialized forward's tile counter under the general mask: the int after the query-block lists

@@ -48,7 +48,7 @@ struct IdentityScoreMod {
     template <int kNTiles, typename Ref = BiasTileRef>
     __device__ __forceinline__ void apply_transposed(float (&)[kNTiles][4], float (&)[kNTiles][4], int, int,
                                                      const Ref& = Ref{}) const {}
-    template <int kNTiles>
+    template <int kQueryParts, int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&)[kNTiles][4], const float (&)[kNTiles][4], const AttnParams&,
                                                     int, int, bool = true) const {}
     // One score (SIMT kernels): the modified score, and dS w.r.t. the raw score from dS w.r.t. the
@@ -249,14 +249,15 @@ struct GeneralScoreMod {
     // store_dbias = false: the caller writes dbias from a shared-memory tile instead (store_dbias_tile);
     // nothing is written where the backward makes no dbias (BiasView::has_grad). A bias broadcast over the
     // queries gets one add per key and warp (BiasView::add_grad_over_queries), every other one per score.
-    template <int kNTiles>
+    // kQueryParts: the warps that share a key within a step (DkdvConfig::kWarpsD).
+    template <int kQueryParts, int kNTiles>
     __device__ __forceinline__ void grad_transposed(float (&ds)[kNTiles][4], const float (&aux)[kNTiles][4],
                                                     const AttnParams& p, int key_row, int query_col,
                                                     bool store_dbias = true) const {
         if constexpr (kBias) {
             if (store_dbias && bias.has_grad(p)) {
                 if (p.dbias_row_stride == 0 && p.dbias_accum != nullptr) {  // a bias broadcast over the queries
-                    bias.add_grad_over_queries(p, b, h, ds, key_row, query_col);
+                    bias.template add_grad_over_queries<kQueryParts>(p, b, h, ds, key_row, query_col);
                 } else {
                     for_each_score_transposed(ds, key_row, query_col, [&](float& x, int query, int key, int, int) {
                         bias.store_grad(p, b, h, query, key, x);
@@ -277,7 +278,7 @@ struct GeneralScoreMod {
     }
     __device__ __forceinline__ float grad_one_dbias(const AttnParams& p, float ds, float raw_s, int row, int col) const {
         if constexpr (kBias) {
-            if (bias.has_grad(p)) bias.store_grad(p, b, h, row, col, ds);
+            if (bias.has_grad(p)) bias.template store_grad<true>(p, b, h, row, col, ds);  // (the SIMT kernels')
         }
         return grad_one(ds, raw_s, row, col);
     }
