@@ -423,8 +423,8 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="shared", deterministic=True),
     Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="shared", deterministic=True, dlse=True),
     Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", deterministic=True),
-    # Key biases: each dK/dV thread's sums in partials only it writes (bias.cuh add_owned), under any mask: the
-    # warp-specialized D128 (causal; a window), mma.sync D64 with ids and a softcap and D96 with a bool mask,
+    # Key biases: each dK/dV thread's sums in partials only it writes (bias.cuh add_grad_over_queries), under any
+    # mask: the warp-specialized D128 (causal; a window), mma.sync D64 with ids and a softcap and D96 with a bool mask,
     # D256, an MQA group whose heads one CTA may walk, the SIMT fp32 kernels (16 query threads per key).
     Problem("bf16", B=3, Sq=300, Sk=300, H=4, Hkv=2, D=128, causal=True, bias="keys", deterministic=True),
     Problem("bf16", B=2, Sq=333, Sk=290, H=4, Hkv=4, D=128, bias="keyheads", window=(50, 10), deterministic=True),
