@@ -92,7 +92,7 @@ def cases(quick: bool = False) -> list:
                  False, False, False, "biasheads+softcap"),
             Case("broadcast bias, deterministic: the dbias adds take turns (dbias_order.cuh), D 128, causal", dtype, 3,
                  140, 150, 4, 2, 128, 128, True, True, False, "biasheads"),
-            Case("key bias, deterministic: each thread's own partials (bias.cuh add_grad_over_queries), D 128, window", dtype, 2,
+            Case("key bias, deterministic: per-thread partials (add_grad_over_queries), D 128, window", dtype, 2,
                  150, 170, 4, 2, 128, 128, False, True, False, "biaskeys+window"),
             Case("key bias, deterministic, D 64, causal, documents", dtype, 2, 130, 140, 4, 1, 64, 64, True, True,
                  True, "biaskeys+segments"),
