@@ -311,8 +311,11 @@ for _key, _bytes in {(90, 64, 0, 2, True): 362, (90, 64, 0, 2, False): 16, (90, 
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 # Session 41: a key bias's deterministic partials (a term per query head within its bias head, bias.cuh
 # add_grad_over_queries) took the mma.sync D64 bias + softcap dropout-and-bool-mask variant (in no bench) 44 -> 72
-# bytes under NVRTC 13.0; every other bf16 D64 / D128 bias dK/dV variant stays within its allowance.
+# bytes under NVRTC 13.0, and under NVRTC 13.5 (the CI install's; session 41's CPU CI replica) the wgmma D128 bias
+# variant with a bool mask, deterministic (in no bench), to 68 (56 under 13.0); every other bf16 D64 / D128 bias
+# dK/dV variant stays within its allowance.
 SPILL_ALLOWANCE[(90, 64, 5, 3, True)] = max(SPILL_ALLOWANCE[(90, 64, 5, 3, True)], 72)
+SPILL_ALLOWANCE[(90, 128, 3, 2, False)] = max(SPILL_ALLOWANCE[(90, 128, 3, 2, False)], 68)
 del _key, _bytes
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
