@@ -368,7 +368,7 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
     stream_ptr = _stream_ptr(stream)
     plan.launch(block, stream_ptr)
     del owner
-    if plan.dbias_sums is not None and dbias_d is not None:
+    if plan.dbias_sums is not None:
         with _on_stream(stream):
             plan.dbias_sums.finish(sums, dbias_d, plan.device, stream_ptr, lse, dlse)
     return tuple(grads)
@@ -455,8 +455,8 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         return (), None, None, None
     bias = opts.bias
     full = opts.bias_is_full(shape)
-    if deterministic and not full and not no_work and dbias_sums.ordered_refusal(opts, shape):
-        dbias_sums.plan_sums(opts, shape, deterministic, plan, None)  # raises, naming the form, before allocating
+    if deterministic and not full and not no_work:
+        dbias_sums.check_deterministic(opts, shape)  # before any allocation
     if dbias is None:
         dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
     else:

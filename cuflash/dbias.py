@@ -95,18 +95,12 @@ class Sums:
 
 def plan_sums(opts, shape: ProblemShape, deterministic: bool, plan, dbias_d) -> Sums:
     """The :class:`Sums` of a broadcast bias's backward; NotImplementedError for the forms deterministic=True
-    cannot sum without float atomics (:func:`ordered_refusal`)."""
+    cannot sum without float atomics (:func:`check_deterministic`)."""
     bias_shape, dtype = tuple(opts.bias.shape), shape.dtype
     if bias_shape[3] == 1:
         return Sums(bias_shape, dtype, "lse")
     if deterministic:
-        refusal = ordered_refusal(opts, shape)
-        if refusal:
-            raise NotImplementedError(
-                f"deterministic=True with a bias of shape {bias_shape}, which broadcasts to "
-                f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
-                f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
-                f"(bias.expand(...)), use deterministic=False, or bias_grad=False where the bias needs no gradient")
+        check_deterministic(opts, shape)
         kernel = next(l.variant for l in plan.launches if l.variant.name in DKDV_KERNELS)
         dkdv = kernel.config
         if bias_shape[2] == 1:
@@ -121,6 +115,19 @@ def plan_sums(opts, shape: ProblemShape, deterministic: bool, plan, dbias_d) -> 
     if dtype == "float32" and dbias_d.array.flags.c_contiguous:
         return Sums(bias_shape, dtype, "in_place")
     return Sums(bias_shape, dtype, "atomic")
+
+
+def check_deterministic(opts, shape: ProblemShape) -> None:
+    """NotImplementedError, naming the form, for a broadcast bias whose dbias deterministic=True cannot sum
+    without float atomics (:func:`ordered_refusal`); nothing for the others."""
+    bias_shape = tuple(opts.bias.shape)
+    refusal = "" if bias_shape[3] == 1 else ordered_refusal(opts, shape)
+    if refusal:
+        raise NotImplementedError(
+            f"deterministic=True with a bias of shape {bias_shape}, which broadcasts to "
+            f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
+            f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
+            f"(bias.expand(...)), use deterministic=False, or bias_grad=False where the bias needs no gradient")
 
 
 def ordered_refusal(opts, shape: ProblemShape) -> str:
