@@ -22,7 +22,7 @@ import math
 
 from . import launch
 from .arrays import describe
-from .kernels import ProblemShape, is_general
+from .kernels import ProblemShape
 from .kernels import backward as backward_kernels
 
 #: A deterministic key bias's partials per (batch, query head, key) in the SIMT kernels: one per query residue
@@ -135,14 +135,15 @@ def ordered_refusal(opts, shape: ProblemShape) -> str:
     can). A key bias (one row, every key) sums in its threads' own partials under any mask, but the partials
     are per (batch, head, key) of a batched layout: not for packed sequences. A bias with the scores' rows and
     keys, broadcast over the batch and / or the heads, takes turns (cuda_src/cuflash/dbias_order.cuh), which
-    need every contributor to visit the same tiles: no mask but causal (the block lists of the general masks
-    differ by batch row). (A bias constant along the keys needs neither: its dbias comes from dlse.)"""
+    need every contributor to visit the same tiles: causal, a window and dropout give every batch row and head
+    the same block lists; ids and a bool mask do not. (A bias constant along the keys needs neither: its dbias
+    comes from dlse.)"""
     if shape.packed:
         return "for packed sequences"
     if opts.bias.shape[2] == 1:
         return ""
-    if is_general(shape.mask_kind):
-        return "with window, segment ids, block ids, a bool mask or dropout"
+    if opts.segment_ids is not None or opts.block_ids is not None or opts.mask is not None:
+        return "with segment ids, block ids or a bool mask"
     return ""
 
 

@@ -78,9 +78,10 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 #: none, the short mode's 100 included; the session summary prints how many used each).
 OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5, "dropout": 5}
 #: Bias kinds by mode: deterministic=True takes those with one element per score, key biases and biases constant
-#: along the keys (cuflash/dbias.py) under any mask, and without a general mask (window, ids, bool mask, dropout)
-#: also those broadcast over the batch / heads, whose dbias adds then take turns (dbias_order.cuh; refused under
-#: one). A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes any kind in either mode.
+#: along the keys (cuflash/dbias.py) under any mask, and without ids or a bool mask (which give each batch row or
+#: head tiles of its own) also those broadcast over the batch / heads, whose dbias adds then take turns
+#: (dbias_order.cuh; refused with them). A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes
+#: any kind in either mode.
 BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "keyheads", "rows", "scalar", "expanded", "neginf", "large")
 BIAS_ANY_MASK = ("full", "expanded", "neginf", "large", "keys", "keyheads", "rows", "scalar")
 BIAS_ORDERED = BIAS_ANY_MASK + ("heads", "kv", "shared")
@@ -115,9 +116,9 @@ def problems(draw):
     blocks = _maybe(draw, "blocks", st.sampled_from(tuple(gu.BLOCK_KINDS)))
     mask = _maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS)))
     dropout = _maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85)))
-    general = any(option is not None for option in (window, segments, blocks, mask, dropout))
     bias_grad = draw(st.integers(0, 3)) != 0
-    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_ANY_MASK if general else BIAS_ORDERED
+    own_tiles = any(option is not None for option in (segments, blocks, mask))  # lists per batch row / head
+    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_ANY_MASK if own_tiles else BIAS_ORDERED
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),

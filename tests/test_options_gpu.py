@@ -199,15 +199,16 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
 
 
 def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
-    """deterministic=True with a bias broadcast over the batch / heads under a general mask says it is not
-    implemented (its dbias would sum with atomics); without a dbias buffer the backward allocates one equal to
-    the buffered call's result; dbias= without bias is refused."""
-    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="shared", window=(10, 0))
+    """deterministic=True with a bias broadcast over the batch / heads under segment ids (each batch row visits
+    tiles of its own) says it is not implemented (its dbias would sum with atomics); without a dbias buffer the
+    backward allocates one equal to the buffered call's result; dbias= without bias is refused."""
+    p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="shared", segments="docs")
     x = gu.make_inputs(p)
-    out, lse = cuflash.attention_forward(x.q, x.k, x.v, bias=x.bias, window=(10, 0))
+    options = gu.option_kwargs(p, x)
+    out, lse = cuflash.attention_forward(x.q, x.k, x.v, **options)
     with pytest.raises(NotImplementedError, match="deterministic"):
-        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, window=(10, 0), deterministic=True)
-    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, bias=x.bias, window=(10, 0))
+        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **options)
+    grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, **options)
     assert len(grads) == 4 and grads[3].shape == x.bias.shape and grads[3].dtype == x.bias.dtype
     with pytest.raises(ValueError, match="dbias"):
         cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, dbias=cupy.empty_like(x.bias))
@@ -434,6 +435,14 @@ DETERMINISM_PROBLEMS = (
     Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=1, D=256, causal=True, bias="keyheads", deterministic=True),
     Problem("bf16", B=2, Sq=256, Sk=256, H=8, Hkv=1, D=64, bias="keyheads", deterministic=True, dlse=True),
     Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="keys", causal=True, deterministic=True),
+    # Biases broadcast over batch / heads under a window or dropout (the same tiles for every batch row and head,
+    # so the turns order them): the warp-specialized D128, mma.sync D64 with a softcap, SIMT fp32.
+    Problem("bf16", B=3, Sq=300, Sk=300, H=4, Hkv=2, D=128, causal=True, bias="heads", window=(64, None),
+            deterministic=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, bias="kv", window=(40, 6), softcap=3.0,
+            deterministic=True),
+    Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=2, D=128, bias="shared", dropout=0.2, deterministic=True),
+    Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", window=(20, 20), deterministic=True),
     # Biases constant along the keys (dbias from dlse), with a window and ids.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, bias="rows", window=(64, 0), deterministic=True,
             dlse=True),

@@ -8,9 +8,10 @@
 // are visible, raises it by one. Ranks follow the (batch, head) order of the grid (blockIdx.z = batch slowest,
 // then blockIdx.y = the head group; the plan leaves the grid unremapped when the adds are ordered), so a CTA only
 // ever waits for one dispatched before it on the same key block, which waits for nothing after it: every wait
-// ends. Every contributor visits the same tiles (the masks that order dbias adds, none and causal, do not depend
-// on the batch or the head), so each counter runs 0 .. contributors - 1. A CTA that walks several heads of one
-// bias head (params.dkdv_heads > 1) holds consecutive ranks and adds for them in its own program order.
+// ends. Every contributor visits the same tiles (the masks that order dbias adds, none, causal, a window and
+// dropout, do not depend on the batch or the head), so each counter runs 0 .. contributors - 1. A CTA that walks
+// several heads of one bias head (params.dkdv_heads > 1) holds consecutive ranks and adds for them in its own
+// program order.
 //
 // The counters sit after dbias_accum's elements in the same zeroed allocation (params.dbias_order_offset floats
 // in); 0 = unordered (the default backward's atomics).
@@ -22,9 +23,14 @@
 namespace cuflash {
 namespace dbias_order {
 
-// The kernels that carry the turns: a bias under no mask or causal (the host refuses the general masks, whose
-// block lists differ by batch row), so no other variant pays their registers.
-__host__ __device__ constexpr bool orders(bool bias, int mask_kind) { return bias && !is_general_mask(mask_kind); }
+// The kernels that carry the turns: the bias variants the deterministic backward runs (`deterministic_runs`, which
+// the mainloop knows), but not under a bool mask. The host allows the turns under a general mask only where every
+// batch row and head visits the same tiles: a window and dropout depend on positions alone; ids and a bool mask
+// give each batch row or head lists of its own (cuflash/dbias.py ordered_refusal). Ids share their kind with the
+// window, so only the bool-mask kinds can leave the turns out at compile time.
+__host__ __device__ constexpr bool orders(bool bias, int mask_kind, bool deterministic_runs) {
+    return bias && deterministic_runs && !mask_has_bool(mask_kind);
+}
 
 __device__ __forceinline__ bool enabled(const AttnParams& p) { return p.dbias_order_offset != 0; }
 

@@ -164,6 +164,10 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ bool claimed_dq(const AttnParams& params) {
         return kStagedDq && dq_order::claimed(params);
     }
+    // The deterministic backward runs this kernel without dQ adds, or with ordered ones (none / causal:
+    // cuflash/kernels/backward.py ordered_dq_fits); only those variants carry the dbias turns (dbias_order.cuh).
+    static constexpr bool kDbiasTurns =
+        dbias_order::orders(Cfg::kBias, Cfg::kMask, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask));
     // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
     // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
     // last-first, so a CTA only ever waits for a CTA dispatched before it, one step ahead of it.
@@ -179,7 +183,7 @@ struct DkdvMainloopSm90Ws {
                                                          int& group, int& b) {
         // Ordered dbias adds rank the CTAs in the grid's own (batch, head) order (dbias_order.cuh).
         if ((kCausalOrder ? !ordered_dq(params) : Cfg::kMask == kNoMask && ordered_dq(params)) &&
-            !(dbias_order::orders(Cfg::kBias, Cfg::kMask) && dbias_order::enabled(params))) {
+            !(kDbiasTurns && dbias_order::enabled(params))) {
             chunked_grid_order<Cfg::kHeadDim>(params.seqlen_q * heads, n_block, group, b);
         }
         n_block = key_block(params, n_block);
@@ -462,7 +466,7 @@ struct DkdvMainloopSm90Ws {
             const unsigned s_do = smem + Cfg::kOffDo + s * TileQ::kBytes;
             sm90::mbarrier_wait(q_full(smem, s), (step / kStages) & 1);
             // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh).
-            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask)) {
+            if constexpr (kDbiasTurns) {
                 if (dbias_order::enabled(params)) {
                     if (tid == 0) dbias_order::wait_turn(params, b, step_head, query0 / Cfg::kBlockM, n_block);
                     sm90::named_barrier_sync(kDbiasBarrier, kConsumerThreads);
@@ -498,7 +502,7 @@ struct DkdvMainloopSm90Ws {
                 Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
                                          r, dbias_tile, acc_s, acc_dp, BiasTileRef::none(), spans);
             }
-            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask)) {
+            if constexpr (kDbiasTurns) {
                 if (dbias_order::enabled(params)) {  // every consumer's adds are visible: the next rank's turn
                     __threadfence();
                     sm90::named_barrier_sync(kDbiasBarrier, kConsumerThreads);
