@@ -23,6 +23,7 @@
 
 #include "cuflash/params.cuh"
 #include "cuflash/mask.cuh"
+#include "cuflash/dbias_order.cuh"
 
 namespace cuflash {
 
@@ -130,12 +131,85 @@ __device__ __forceinline__ void mask_any_all(const GeneralMaskOf<true>& m, int r
     all = __syncthreads_and(l) != 0;
 }
 
+// The classes of inner blocks chunk + threadIdx.x (kSkipTile past the last) of outer block `outer` in batch row
+// bm under mask head mh: from the ranges, then the bool mask's bytes where those did not skip. CTA-wide (it has
+// barriers): every thread calls it with the same arguments. `sorted`: cleared unless this thread's inner ids
+// never decrease (IdRanges).
+template <int kOuter, int kInner, bool kTransposed>
+__device__ __forceinline__ int tile_class(const AttnParams& params, int bm, int mh, int outer, int chunk, int* s_cls,
+                                          bool& sorted) {
+    constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
+    constexpr int kKRows = kTransposed ? kOuter : kInner;
+    const SeqInfo seq(params, bm, mh * params.mask_head_div);
+    const GeneralMaskOf<true> m(params, seq);
+    const int outer_len = kTransposed ? m.seqlen_k : m.seqlen_q;  // this sequence's lengths
+    const int inner_len = kTransposed ? m.seqlen_q : m.seqlen_k;
+    const int n_inner = ceil_div(inner_len, kInner);
+    const int o0 = outer * kOuter, o1 = min(o0 + kOuter, outer_len);
+    if (o0 >= outer_len) return kSkipTile;  // past a shorter packed sequence (uniform)
+    const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + bm * params.q_segment_batch_stride;
+    const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + bm * params.k_segment_batch_stride;
+    const int* q_blk = params.q_block_ids == nullptr ? nullptr : params.q_block_ids + bm * params.q_block_batch_stride;
+    const int* k_blk = params.k_block_ids == nullptr ? nullptr : params.k_block_ids + bm * params.k_block_batch_stride;
+    const int* inner_seg = kTransposed ? q_seg : k_seg;
+    const int* inner_blk = kTransposed ? q_blk : k_blk;
+    // The outer block's id ranges, once.
+    TileIds ids{};
+    if (kTransposed ? k_seg : q_seg) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(kTransposed ? k_seg : q_seg, o0, o1);
+    if (kTransposed ? k_blk : q_blk) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(kTransposed ? k_blk : q_blk, o0, o1);
+    // Tile i's rows [r0, r1) x keys [c0, c1), inside the sequences.
+    auto bounds = [&](int i, int& r0, int& r1, int& c0, int& c1) {
+        const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
+        r0 = kTransposed ? i0 : o0, r1 = kTransposed ? i1 : o1;
+        c0 = kTransposed ? o0 : i0, c1 = kTransposed ? o1 : i1;
+    };
+    const int i = chunk + static_cast<int>(threadIdx.x);
+    int cls = kSkipTile;
+    if (i < n_inner) {
+        const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
+        TileIds tile = ids;
+        if (inner_seg != nullptr) (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1, inner_len, sorted);
+        if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1, inner_len, sorted);
+        int r0, r1, c0, c1;
+        bounds(i, r0, r1, c0, c1);
+        const bool tail = r0 + kQRows > m.seqlen_q || c0 + kKRows > m.seqlen_k;
+        cls = classify(m, r0, r1, c0, c1, tail, tile);
+    }
+    if (params.mask != nullptr) {
+        // The bool mask refines the tiles the ranges did not skip: none of its bytes set -> skip; full
+        // only if every byte is set too. The CTA reads one tile at a time.
+        s_cls[threadIdx.x] = cls;
+        __syncthreads();
+        const int here = min(kListThreads, n_inner - chunk);
+        for (int t = 0; t < here; ++t) {
+            const int c = s_cls[t];  // uniform
+            if (c == kSkipTile) continue;
+            int r0, r1, c0, c1;
+            bounds(chunk + t, r0, r1, c0, c1);
+            bool any, all;
+            mask_any_all(m, r0, r1, c0, c1, any, all);  // its barriers order every read of s_cls[t] first
+            if (threadIdx.x == 0) s_cls[t] = !any ? kSkipTile : (c == kFullTile && all ? kFullTile : kPartialTile);
+        }
+        __syncthreads();
+        cls = s_cls[threadIdx.x];
+    }
+    return cls;
+}
+
+// Whether the dK / dV lists are unions over the contributors of a dbias slice: the deterministic backward's
+// dbias adds into a bias broadcast over the batch and / or the heads take turns (cuflash/dbias_order.cuh), and
+// each contributor must visit the same tiles. Ids differ by batch row, a bool mask by batch row and head; the
+// union over the batch rows (a bias broadcast over them) and the mask heads (a bias shared by several heads)
+// gives every contributor one list, its own skipped tiles in it as partial ones (the mask hides every pair).
+__device__ __forceinline__ bool union_lists(const AttnParams& p) {
+    return dbias_order::enabled(p) &&
+           (p.q_segment_ids != nullptr || p.q_block_ids != nullptr || p.mask != nullptr);
+}
+
 // (The minimum of one block per SM lets ptxas use the 64 registers it needs: without it, its occupancy
 // heuristic held the transposed lists to 40 and spilled 32 bytes once the lengths became per sequence.)
 template <int kOuter, int kInner, bool kTransposed>
 __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(const AttnParams params) {
-    constexpr int kQRows = kTransposed ? kInner : kOuter;  // rows of a query block, keys of a key block
-    constexpr int kKRows = kTransposed ? kOuter : kInner;
     const int outer = blockIdx.x, b = blockIdx.z;
     if (!kTransposed && outer == 0 && blockIdx.y == 0 && b == 0 && threadIdx.x == 0) {
         *fwd_tile_counter(params) = 0;  // the warp-specialized forward's queue, after every list row
@@ -152,66 +226,37 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
         if (threadIdx.x == 0) row[0] = 0;
         return;
     }
-    // This batch's ids (null when not given).
+    // This batch's ids (null when not given), for the id ranges below.
     const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + b * params.q_segment_batch_stride;
     const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + b * params.k_segment_batch_stride;
     const int* q_blk = params.q_block_ids == nullptr ? nullptr : params.q_block_ids + b * params.q_block_batch_stride;
     const int* k_blk = params.k_block_ids == nullptr ? nullptr : params.k_block_ids + b * params.k_block_batch_stride;
-
-    // The outer block's id ranges, once.
-    TileIds ids{};
     const int* outer_seg = kTransposed ? k_seg : q_seg;
     const int* outer_blk = kTransposed ? k_blk : q_blk;
     const int* inner_seg = kTransposed ? q_seg : k_seg;
     const int* inner_blk = kTransposed ? q_blk : k_blk;
     bool inner_sorted = true;  // this thread's inner blocks' ids nondecreasing (IdRanges)
-    if (outer_seg != nullptr) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(outer_seg, o0, o1);
-    if (outer_blk != nullptr) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(outer_blk, o0, o1);
+    // The union's members (union_lists): every batch row where the bias is broadcast over them, every mask
+    // head where one bias head serves several query heads.
+    const bool unite = kTransposed && union_lists(params);
+    const int batches = unite && params.dbias_batch_stride == 0 ? params.batch : 1;
+    const int heads = unite && (params.dbias_head_stride == 0 || params.bias_head_div > 1) ? params.mask_heads : 1;
 
     __shared__ int s_counts[kListThreads / 32];
     __shared__ int s_cls[kListThreads];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // Tile i's rows [r0, r1) x keys [c0, c1), inside the sequences.
-    auto bounds = [&](int i, int& r0, int& r1, int& c0, int& c1) {
-        const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
-        r0 = kTransposed ? i0 : o0, r1 = kTransposed ? i1 : o1;
-        c0 = kTransposed ? o0 : i0, c1 = kTransposed ? o1 : i1;
-    };
     int base = 0;
     for (int chunk = 0; chunk < n_inner; chunk += kListThreads) {  // uniform trip count
         const int i = chunk + static_cast<int>(threadIdx.x);
-        int cls = kSkipTile;
-        if (i < n_inner) {
-            const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
-            TileIds tile = ids;
-            if (inner_seg != nullptr) {
-                (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1, inner_len, inner_sorted);
+        int cls = tile_class<kOuter, kInner, kTransposed>(params, b, blockIdx.y, outer, chunk, s_cls, inner_sorted);
+        for (int bm = 0; bm < batches; ++bm) {
+            for (int mh = 0; mh < heads; ++mh) {
+                const int bu = batches > 1 ? bm : b, mu = heads > 1 ? mh : static_cast<int>(blockIdx.y);
+                if (bu == b && mu == static_cast<int>(blockIdx.y)) continue;  // this row's own, above
+                bool ignored = true;
+                const int other = tile_class<kOuter, kInner, kTransposed>(params, bu, mu, outer, chunk, s_cls, ignored);
+                cls = cls == other ? cls : kPartialTile;  // skipped only if skipped by all, full only if full for all
             }
-            if (inner_blk != nullptr) {
-                (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1, inner_len, inner_sorted);
-            }
-            int r0, r1, c0, c1;
-            bounds(i, r0, r1, c0, c1);
-            const bool tail = r0 + kQRows > m.seqlen_q || c0 + kKRows > m.seqlen_k;
-            cls = classify(m, r0, r1, c0, c1, tail, tile);
-        }
-        if (params.mask != nullptr) {
-            // The bool mask refines the tiles the ranges did not skip: none of its bytes set -> skip; full
-            // only if every byte is set too. The CTA reads one tile at a time.
-            s_cls[threadIdx.x] = cls;
-            __syncthreads();
-            const int here = min(kListThreads, n_inner - chunk);
-            for (int t = 0; t < here; ++t) {
-                const int c = s_cls[t];  // uniform
-                if (c == kSkipTile) continue;
-                int r0, r1, c0, c1;
-                bounds(chunk + t, r0, r1, c0, c1);
-                bool any, all;
-                mask_any_all(m, r0, r1, c0, c1, any, all);  // its barriers order every read of s_cls[t] first
-                if (threadIdx.x == 0) s_cls[t] = !any ? kSkipTile : (c == kFullTile && all ? kFullTile : kPartialTile);
-            }
-            __syncthreads();
-            cls = s_cls[threadIdx.x];
         }
         // Compact the visited blocks in ascending order: a warp's ballot, then the warps before it.
         const unsigned visited = __ballot_sync(0xffffffffu, cls != kSkipTile);

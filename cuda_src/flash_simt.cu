@@ -198,7 +198,7 @@ struct BwdMainloop {
             const int row0 = kKeyRows ? start : fixed0, col0 = kKeyRows ? fixed0 : start;
             // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh): this
             // step's, before the barrier below hands it to the CTA.
-            constexpr bool kOrderable = kKeyRows && dbias_order::orders(has_bias(Cfg::kScoreMod), Cfg::kMask, true);
+            constexpr bool kOrderable = kKeyRows && dbias_order::orders(has_bias(Cfg::kScoreMod), true);
             if (kOrderable && dbias_order::enabled(params) && threadIdx.x == 0) {
                 dbias_order::wait_turn(params, seq.b, seq.h, blocks.block(index), fixed_block);
             }

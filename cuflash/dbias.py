@@ -132,19 +132,13 @@ def check_deterministic(opts, shape: ProblemShape) -> None:
 
 def ordered_refusal(opts, shape: ProblemShape) -> str:
     """Why a deterministic backward cannot sum this broadcast bias's dbias without float atomics ('' where it
-    can). A key bias (one row, every key) sums in its threads' own partials under any mask, but the partials
-    are per (batch, head, key) of a batched layout: not for packed sequences. A bias with the scores' rows and
-    keys, broadcast over the batch and / or the heads, takes turns (cuda_src/cuflash/dbias_order.cuh), which
-    need every contributor to visit the same tiles: causal, a window and dropout give every batch row and head
-    the same block lists; ids and a bool mask do not. (A bias constant along the keys needs neither: its dbias
-    comes from dlse.)"""
-    if shape.packed:
-        return "for packed sequences"
-    if opts.bias.shape[2] == 1:
-        return ""
-    if opts.segment_ids is not None or opts.block_ids is not None or opts.mask is not None:
-        return "with segment ids, block ids or a bool mask"
-    return ""
+    can). A key bias (one row, every key) sums in its threads' own partials under any mask, and a bias with the
+    scores' rows and keys, broadcast over the batch and / or the heads, takes turns (cuda_src/cuflash/
+    dbias_order.cuh) under any mask: the dK / dV lists of ids and bool masks are then the union over each dbias
+    slice's contributors (cuda_src/block_lists.cu, union_lists). Both lay their sums out per batch row of the
+    batched layout: not for packed sequences. (A bias constant along the keys needs neither: its dbias comes
+    from dlse.)"""
+    return "for packed sequences" if shape.packed else ""
 
 
 def _row_sums_from_lse(lse, dlse, bias_shape: tuple, xp=None):

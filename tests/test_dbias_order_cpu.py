@@ -143,27 +143,22 @@ def test_row_sums_come_from_dlse_where_the_row_sees_a_key():
     assert not dbias._row_sums_from_lse(lse, None, (2, 4, 7, 1), xp=np).any()
 
 
-def test_a_window_gives_every_contributor_the_same_tiles_so_the_turns_order_it(gpu):
-    """A window (or dropout) depends on positions only: every batch row and head visits the same tiles, so a bias
-    broadcast over them takes the turns under it (counters after the accumulator), as without a mask."""
-    q, k, v = _problem(gpu)
-    fields, accum, _, _ = _buffers(gpu, q, k, v, gpu.array((1, 4, 70, 90), BF16), window=(20, 0))
-    assert fields["dbias_order_offset"] == 4 * 70 * 90 and accum.shape == (1, 4, 70, 90)
-
-
-@pytest.mark.parametrize("bias_shape,options,reason", [
-    ((1, 4, 70, 90), dict(segment_ids="ids"), "segment ids"),
-    ((2, 1, 70, 90), dict(mask="mask", window=(20, 0)), "bool mask"),
+@pytest.mark.parametrize("bias_shape,options", [
+    ((1, 4, 70, 90), dict(window=(20, 0))),
+    ((1, 4, 70, 90), dict(segment_ids="ids")),
+    ((1, 1, 70, 90), dict(block_ids="ids", dropout_p=0.2, seed=3)),
+    ((2, 1, 70, 90), dict(mask="mask", window=(20, 0))),
 ])
-def test_forms_the_turns_cannot_order_are_refused_by_name(gpu, bias_shape, options, reason):
+def test_every_mask_takes_the_turns(gpu, bias_shape, options):
+    """A window or dropout give every batch row and head the same tiles; under ids or a bool mask the dK / dV
+    lists are the union over a slice's contributors (block_lists.cu): a bias broadcast over the batch and / or
+    the heads takes the turns under each (counters after the accumulator), as without a mask."""
     q, k, v = _problem(gpu)
-    out, lse, dout = gpu.array((2, 70, 4, 64), BF16), gpu.array((2, 4, 70), np.float32), gpu.array((2, 70, 4, 64), BF16)
-    if options.get("segment_ids") == "ids":
-        options = dict(segment_ids=(gpu.array((2, 70), np.int32), gpu.array((2, 90), np.int32)))
+    for name in ("segment_ids", "block_ids"):
+        if options.get(name) == "ids":
+            options = dict(options, **{name: (gpu.array((2, 70), np.int32), gpu.array((2, 90), np.int32))})
     if options.get("mask") == "mask":
-        options = dict(options, mask=gpu.array((2, 1, 70, 90), np.bool_))
-    with pytest.raises(NotImplementedError, match=reason) as info:
-        cuflash.attention_backward(dout, q, k, v, out, lse, bias=gpu.array(bias_shape, BF16), deterministic=True,
-                                   **options)
-    assert "deterministic=True" in str(info.value) and str(bias_shape) in str(info.value)
-    assert not gpu.launches
+        options = dict(options, mask=gpu.array((2, 4, 70, 90), np.bool_))
+    fields, accum, _, _ = _buffers(gpu, q, k, v, gpu.array(bias_shape, BF16), **options)
+    assert fields["dbias_order_offset"] == math.prod(bias_shape) and accum.shape == bias_shape
+

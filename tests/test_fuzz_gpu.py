@@ -77,14 +77,11 @@ LENGTHS = st.one_of(st.integers(1, 40), st.integers(1, 160), st.integers(1, 600)
 #: Each option is on in about 1 in N examples, independently (about a quarter of the examples use
 #: none, the short mode's 100 included; the session summary prints how many used each).
 OPTION_ODDS = {"window": 4, "softcap": 4, "alibi": 4, "segments": 4, "blocks": 5, "bias": 4, "mask": 5, "dropout": 5}
-#: Bias kinds by mode: deterministic=True takes those with one element per score, key biases and biases constant
-#: along the keys (cuflash/dbias.py) under any mask, and without ids or a bool mask (which give each batch row or
-#: head tiles of its own) also those broadcast over the batch / heads, whose dbias adds then take turns
-#: (dbias_order.cuh; refused with them). A bias without a gradient (bias_grad=False, about 1 in 4 biases) takes
-#: any kind in either mode.
+#: Bias kinds: every kind in both modes. deterministic=True sums a bias with one element per score in place, key
+#: biases and biases constant along the keys in fixed orders (cuflash/dbias.py), and biases broadcast over the
+#: batch / heads by turns (dbias_order.cuh) under any mask (with ids or a bool mask over the union of the
+#: contributors' tiles, block_lists.cu).
 BIAS_ANY = ("full", "heads", "kv", "shared", "keys", "keyheads", "rows", "scalar", "expanded", "neginf", "large")
-BIAS_ANY_MASK = ("full", "expanded", "neginf", "large", "keys", "keyheads", "rows", "scalar")
-BIAS_ORDERED = BIAS_ANY_MASK + ("heads", "kv", "shared")
 # A window side: unbounded, narrow (0 included: a row may see a single key, or none), or wide.
 WINDOW_SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 600))
 
@@ -117,8 +114,6 @@ def problems(draw):
     mask = _maybe(draw, "mask", st.sampled_from(tuple(gu.MASK_KINDS)))
     dropout = _maybe(draw, "dropout", st.sampled_from((0.05, 0.2, 0.5, 0.85)))
     bias_grad = draw(st.integers(0, 3)) != 0
-    own_tiles = any(option is not None for option in (segments, blocks, mask))  # lists per batch row / head
-    bias_kinds = BIAS_ANY if not deterministic or not bias_grad else BIAS_ANY_MASK if own_tiles else BIAS_ORDERED
     return Problem(
         dtype,
         B=draw(st.integers(1, 3)),
@@ -138,7 +133,7 @@ def problems(draw):
         alibi=alibi,
         segments=segments,
         blocks=blocks,
-        bias=_maybe(draw, "bias", st.sampled_from(bias_kinds)),
+        bias=_maybe(draw, "bias", st.sampled_from(BIAS_ANY)),
         bias_grad=bias_grad,
         mask=mask,
         dropout=dropout,

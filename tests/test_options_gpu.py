@@ -198,16 +198,13 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
         assert gu.bit_identical(u, w), f"{name}: an all-True mask differs from always-matching segment ids"
 
 
-def test_bias_deterministic_broadcast_raises_and_dbias_allocates():
-    """deterministic=True with a bias broadcast over the batch / heads under segment ids (each batch row visits
-    tiles of its own) says it is not implemented (its dbias would sum with atomics); without a dbias buffer the
-    backward allocates one equal to the buffered call's result; dbias= without bias is refused."""
+def test_bias_backward_allocates_dbias_and_refuses_dbias_without_a_bias():
+    """Without a dbias buffer the backward allocates one equal to the buffered call's result; dbias= without
+    bias is refused."""
     p = Problem("bf16", B=2, Sq=65, Sk=77, H=4, Hkv=2, D=64, bias="shared", segments="docs")
     x = gu.make_inputs(p)
     options = gu.option_kwargs(p, x)
     out, lse = cuflash.attention_forward(x.q, x.k, x.v, **options)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, deterministic=True, **options)
     grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, **options)
     assert len(grads) == 4 and grads[3].shape == x.bias.shape and grads[3].dtype == x.bias.dtype
     with pytest.raises(ValueError, match="dbias"):
@@ -443,13 +440,25 @@ DETERMINISM_PROBLEMS = (
             deterministic=True),
     Problem("bf16", B=2, Sq=200, Sk=333, H=4, Hkv=2, D=128, bias="shared", dropout=0.2, deterministic=True),
     Problem("fp32", B=2, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="shared", window=(20, 20), deterministic=True),
+    # ... and under ids or a bool mask, whose dK / dV lists are then the union over each dbias slice's contributors
+    # (block_lists.cu, union_lists; a batch row's own skipped tiles visited as partial ones): documents on the
+    # warp-specialized D128 (a bias shared by the batch) and on mma.sync D64 (over every head too), block ids + a
+    # window on SIMT fp32, a bool mask per batch row and kv head (D64; the union over both), and one per batch row
+    # with documents (D128, causal, dropout).
+    Problem("bf16", B=3, Sq=300, Sk=333, H=4, Hkv=2, D=128, bias="heads", segments="docs", deterministic=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, bias="shared", segments="restart", softcap=3.0,
+            deterministic=True, dlse=True),
+    Problem("fp32", B=3, Sq=130, Sk=100, H=4, Hkv=2, D=64, bias="heads", blocks="random", window=(30, 10),
+            deterministic=True),
+    Problem("bf16", B=2, Sq=190, Sk=257, H=4, Hkv=2, D=64, bias="shared", mask="kv", deterministic=True),
+    Problem("bf16", B=2, Sq=300, Sk=300, H=4, Hkv=2, D=128, causal=True, bias="shared", mask="tiles",
+            segments="docs", dropout=0.2, deterministic=True),
     # Biases constant along the keys (dbias from dlse), with a window and ids.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, bias="rows", window=(64, 0), deterministic=True,
             dlse=True),
     Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, bias="scalar", segments="random", deterministic=True,
             dlse=True),
-    # Biases without a gradient (bias_grad=False): forms whose dbias the turns cannot order (a key-padding bias,
-    # a shared bias under a window or ids) are deterministic then; the WS D128 kernel, SIMT fp32, mma.sync D64.
+    # Biases without a gradient (bias_grad=False) are deterministic in every form; the WS D128 kernel, SIMT fp32, mma.sync D64.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, bias="keys", bias_grad=False,
             deterministic=True),
     Problem("bf16", B=2, Sq=257, Sk=300, H=6, Hkv=2, D=64, window=(50, 10), segments="docs", bias="shared",

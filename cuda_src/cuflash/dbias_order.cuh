@@ -8,10 +8,9 @@
 // are visible, raises it by one. Ranks follow the (batch, head) order of the grid (blockIdx.z = batch slowest,
 // then blockIdx.y = the head group; the plan leaves the grid unremapped when the adds are ordered), so a CTA only
 // ever waits for one dispatched before it on the same key block, which waits for nothing after it: every wait
-// ends. Every contributor visits the same tiles (the masks that order dbias adds, none, causal, a window and
-// dropout, do not depend on the batch or the head), so each counter runs 0 .. contributors - 1. A CTA that walks
-// several heads of one bias head (params.dkdv_heads > 1) holds consecutive ranks and adds for them in its own
-// program order.
+// ends. Every contributor visits the same tiles (see orders below), so each counter runs 0 .. contributors - 1.
+// A CTA that walks several heads of one bias head (params.dkdv_heads > 1) holds consecutive ranks and adds for
+// them in its own program order.
 //
 // The counters sit after dbias_accum's elements in the same zeroed allocation (params.dbias_order_offset floats
 // in); 0 = unordered (the default backward's atomics).
@@ -24,12 +23,11 @@ namespace cuflash {
 namespace dbias_order {
 
 // The kernels that carry the turns: the bias variants the deterministic backward runs (`deterministic_runs`, which
-// the mainloop knows), but not under a bool mask. The host allows the turns under a general mask only where every
-// batch row and head visits the same tiles: a window and dropout depend on positions alone; ids and a bool mask
-// give each batch row or head lists of its own (cuflash/dbias.py ordered_refusal). Ids share their kind with the
-// window, so only the bool-mask kinds can leave the turns out at compile time.
-__host__ __device__ constexpr bool orders(bool bias, int mask_kind, bool deterministic_runs) {
-    return bias && deterministic_runs && !mask_has_bool(mask_kind);
+// the mainloop knows). Every contributor to a slice visits the same tiles: the masks of positions (none, causal,
+// a window, dropout) give every batch row and head the same ones, and under ids or a bool mask the dK / dV lists
+// are the union over the contributors (cuda_src/block_lists.cu, union_lists).
+__host__ __device__ constexpr bool orders(bool bias, bool deterministic_runs) {
+    return bias && deterministic_runs;
 }
 
 __device__ __forceinline__ bool enabled(const AttnParams& p) { return p.dbias_order_offset != 0; }

@@ -190,7 +190,7 @@ struct DkdvMainloop {
             // The deterministic backward's dbias adds into a broadcast bias take turns (dbias_order.cuh): this
             // step's, before the barrier below hands it to the CTA. (That backward runs this mainloop without
             // the dQ adds: ordered dQ adds are the warp-specialized kernel's.)
-            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask, !Cfg::kAtomicDq)) {
+            if constexpr (dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq)) {
                 if (dbias_order::enabled(params) && tid == 0) {  // (opaque: not hoisted and held across the loop)
                     dbias_order::wait_turn(params, opaque(b), opaque(step_head), query0 / Cfg::kBlockM, n_block);
                 }
@@ -213,7 +213,7 @@ struct DkdvMainloop {
             const bool dbias_tile = Cfg::kBias && Cfg::kHasDs && dbias_from_tile(params);
             probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, stage, s_q, s_do, r,
                               dbias_tile, acc_s, acc_dp);
-            if constexpr (dbias_order::orders(Cfg::kBias, Cfg::kMask, !Cfg::kAtomicDq)) {
+            if constexpr (dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq)) {
                 if (dbias_order::enabled(params)) {  // every thread's adds are visible: the next rank's turn
                     __threadfence();
                     __syncthreads();

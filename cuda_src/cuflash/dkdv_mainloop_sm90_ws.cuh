@@ -167,7 +167,7 @@ struct DkdvMainloopSm90Ws {
     // The deterministic backward runs this kernel without dQ adds, or with ordered ones (none / causal:
     // cuflash/kernels/backward.py ordered_dq_fits); only those variants carry the dbias turns (dbias_order.cuh).
     static constexpr bool kDbiasTurns =
-        dbias_order::orders(Cfg::kBias, Cfg::kMask, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask));
+        dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask));
     // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
     // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
     // last-first, so a CTA only ever waits for a CTA dispatched before it, one step ahead of it.
