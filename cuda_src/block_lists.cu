@@ -131,6 +131,22 @@ __device__ __forceinline__ void mask_any_all(const GeneralMaskOf<true>& m, int r
     all = __syncthreads_and(l) != 0;
 }
 
+// Batch row b's ids (null where not given), and their outer / inner sides: the rows of an outer block are
+// queries, keys when transposed.
+template <bool kTransposed>
+struct BatchIds {
+    const int *q_seg, *k_seg, *q_blk, *k_blk;
+    __device__ __forceinline__ BatchIds(const AttnParams& p, int b)
+        : q_seg(p.q_segment_ids == nullptr ? nullptr : p.q_segment_ids + b * p.q_segment_batch_stride),
+          k_seg(p.k_segment_ids == nullptr ? nullptr : p.k_segment_ids + b * p.k_segment_batch_stride),
+          q_blk(p.q_block_ids == nullptr ? nullptr : p.q_block_ids + b * p.q_block_batch_stride),
+          k_blk(p.k_block_ids == nullptr ? nullptr : p.k_block_ids + b * p.k_block_batch_stride) {}
+    __device__ __forceinline__ const int* outer_seg() const { return kTransposed ? k_seg : q_seg; }
+    __device__ __forceinline__ const int* outer_blk() const { return kTransposed ? k_blk : q_blk; }
+    __device__ __forceinline__ const int* inner_seg() const { return kTransposed ? q_seg : k_seg; }
+    __device__ __forceinline__ const int* inner_blk() const { return kTransposed ? q_blk : k_blk; }
+};
+
 // The classes of inner blocks chunk + threadIdx.x (kSkipTile past the last) of outer block `outer` in batch row
 // bm under mask head mh: from the ranges, then the bool mask's bytes where those did not skip. CTA-wide (it has
 // barriers): every thread calls it with the same arguments. `sorted`: cleared unless this thread's inner ids
@@ -147,16 +163,13 @@ __device__ __forceinline__ int tile_class(const AttnParams& params, int bm, int 
     const int n_inner = ceil_div(inner_len, kInner);
     const int o0 = outer * kOuter, o1 = min(o0 + kOuter, outer_len);
     if (o0 >= outer_len) return kSkipTile;  // past a shorter packed sequence (uniform)
-    const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + bm * params.q_segment_batch_stride;
-    const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + bm * params.k_segment_batch_stride;
-    const int* q_blk = params.q_block_ids == nullptr ? nullptr : params.q_block_ids + bm * params.q_block_batch_stride;
-    const int* k_blk = params.k_block_ids == nullptr ? nullptr : params.k_block_ids + bm * params.k_block_batch_stride;
-    const int* inner_seg = kTransposed ? q_seg : k_seg;
-    const int* inner_blk = kTransposed ? q_blk : k_blk;
+    const BatchIds<kTransposed> batch_ids(params, bm);
+    const int* inner_seg = batch_ids.inner_seg();
+    const int* inner_blk = batch_ids.inner_blk();
     // The outer block's id ranges, once.
     TileIds ids{};
-    if (kTransposed ? k_seg : q_seg) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(kTransposed ? k_seg : q_seg, o0, o1);
-    if (kTransposed ? k_blk : q_blk) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(kTransposed ? k_blk : q_blk, o0, o1);
+    if (batch_ids.outer_seg()) (kTransposed ? ids.k_seg : ids.q_seg) = block_id_range(batch_ids.outer_seg(), o0, o1);
+    if (batch_ids.outer_blk()) (kTransposed ? ids.k_blk : ids.q_blk) = block_id_range(batch_ids.outer_blk(), o0, o1);
     // Tile i's rows [r0, r1) x keys [c0, c1), inside the sequences.
     auto bounds = [&](int i, int& r0, int& r1, int& c0, int& c1) {
         const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
@@ -168,8 +181,12 @@ __device__ __forceinline__ int tile_class(const AttnParams& params, int bm, int 
     if (i < n_inner) {
         const int i0 = i * kInner, i1 = min(i0 + kInner, inner_len);
         TileIds tile = ids;
-        if (inner_seg != nullptr) (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1, inner_len, sorted);
-        if (inner_blk != nullptr) (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1, inner_len, sorted);
+        if (inner_seg != nullptr) {
+            (kTransposed ? tile.q_seg : tile.k_seg) = id_range(inner_seg, i0, i1, inner_len, sorted);
+        }
+        if (inner_blk != nullptr) {
+            (kTransposed ? tile.q_blk : tile.k_blk) = id_range(inner_blk, i0, i1, inner_len, sorted);
+        }
         int r0, r1, c0, c1;
         bounds(i, r0, r1, c0, c1);
         const bool tail = r0 + kQRows > m.seqlen_q || c0 + kKRows > m.seqlen_k;
@@ -227,14 +244,11 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
         return;
     }
     // This batch's ids (null when not given), for the id ranges below.
-    const int* q_seg = params.q_segment_ids == nullptr ? nullptr : params.q_segment_ids + b * params.q_segment_batch_stride;
-    const int* k_seg = params.k_segment_ids == nullptr ? nullptr : params.k_segment_ids + b * params.k_segment_batch_stride;
-    const int* q_blk = params.q_block_ids == nullptr ? nullptr : params.q_block_ids + b * params.q_block_batch_stride;
-    const int* k_blk = params.k_block_ids == nullptr ? nullptr : params.k_block_ids + b * params.k_block_batch_stride;
-    const int* outer_seg = kTransposed ? k_seg : q_seg;
-    const int* outer_blk = kTransposed ? k_blk : q_blk;
-    const int* inner_seg = kTransposed ? q_seg : k_seg;
-    const int* inner_blk = kTransposed ? q_blk : k_blk;
+    const BatchIds<kTransposed> batch_ids(params, b);
+    const int* outer_seg = batch_ids.outer_seg();
+    const int* outer_blk = batch_ids.outer_blk();
+    const int* inner_seg = batch_ids.inner_seg();
+    const int* inner_blk = batch_ids.inner_blk();
     bool inner_sorted = true;  // this thread's inner blocks' ids nondecreasing (IdRanges)
     // The union's members (union_lists): every batch row where the bias is broadcast over them, every mask
     // head where one bias head serves several query heads.
