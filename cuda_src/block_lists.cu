@@ -223,8 +223,9 @@ __device__ __forceinline__ bool union_lists(const AttnParams& p) {
            (p.q_segment_ids != nullptr || p.q_block_ids != nullptr || p.mask != nullptr);
 }
 
-// (The minimum of one block per SM lets ptxas use the 64 registers it needs: without it, its occupancy
-// heuristic held the transposed lists to 40 and spilled 32 bytes once the lengths became per sequence.)
+// (The minimum of one block per SM lets ptxas use the registers it needs, 80 / 103 (transposed) under NVRTC
+// 13.0: without it, its occupancy heuristic held the transposed lists to 40 and spilled 32 bytes once the lengths
+// became per sequence.)
 template <int kOuter, int kInner, bool kTransposed>
 __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(const AttnParams params) {
     const int outer = blockIdx.x, b = blockIdx.z;
