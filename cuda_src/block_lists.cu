@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
     // The union's members (union_lists): every batch row where the bias is broadcast over them, every mask
     // head where one bias head serves several query heads.
     const bool unite = kTransposed && union_lists(params);
-    const int batches = unite && params.dbias_batch_stride == 0 ? params.batch : 1;
-    const int heads = unite && (params.dbias_head_stride == 0 || params.bias_head_div > 1) ? params.mask_heads : 1;
+    const int batches = unite && dbias_order::slice_spans_batch(params) ? params.batch : 1;
+    const int heads = unite && dbias_order::slice_spans_heads(params) ? params.mask_heads : 1;
 
     __shared__ int s_counts[kListThreads / 32];
     __shared__ int s_cls[kListThreads];

@@ -455,8 +455,6 @@ def _dbias_buffers(opts, shape: ProblemShape, dbias, device: int, deterministic:
         return (), None, None, None
     bias = opts.bias
     full = opts.bias_is_full(shape)
-    if deterministic and not full and not no_work:
-        dbias_sums.check_deterministic(opts, shape)  # before any allocation
     if dbias is None:
         dbias_d = describe(cupy.empty(bias.shape, dtype=_np_dtype(shape.dtype)), "dbias")
     else:

@@ -94,13 +94,16 @@ class Sums:
 
 
 def plan_sums(opts, shape: ProblemShape, deterministic: bool, plan, dbias_d) -> Sums:
-    """The :class:`Sums` of a broadcast bias's backward; NotImplementedError for the forms deterministic=True
-    cannot sum without float atomics (:func:`check_deterministic`)."""
+    """The :class:`Sums` of a broadcast bias's backward. Under deterministic=True every form sums in a fixed order:
+    a key bias in its threads' own partials, a bias with the scores' rows and keys broadcast over the batch and / or
+    the heads by turns (cuda_src/cuflash/dbias_order.cuh; under ids or a bool mask over the union of the
+    contributors' tiles, cuda_src/block_lists.cu), a bias constant along the keys from dlse. All are laid out per
+    batch row of the batched layout (packed sequences take no bias: cuflash/varlen.py)."""
     bias_shape, dtype = tuple(opts.bias.shape), shape.dtype
     if bias_shape[3] == 1:
         return Sums(bias_shape, dtype, "lse")
     if deterministic:
-        check_deterministic(opts, shape)
+        assert not shape.packed, "a bias with packed sequences is refused by the varlen entry points"
         kernel = next(l.variant for l in plan.launches if l.variant.name in DKDV_KERNELS)
         dkdv = kernel.config
         if bias_shape[2] == 1:
@@ -115,30 +118,6 @@ def plan_sums(opts, shape: ProblemShape, deterministic: bool, plan, dbias_d) -> 
     if dtype == "float32" and dbias_d.array.flags.c_contiguous:
         return Sums(bias_shape, dtype, "in_place")
     return Sums(bias_shape, dtype, "atomic")
-
-
-def check_deterministic(opts, shape: ProblemShape) -> None:
-    """NotImplementedError, naming the form, for a broadcast bias whose dbias deterministic=True cannot sum
-    without float atomics (:func:`ordered_refusal`); nothing for the others."""
-    bias_shape = tuple(opts.bias.shape)
-    refusal = "" if bias_shape[3] == 1 else ordered_refusal(opts, shape)
-    if refusal:
-        raise NotImplementedError(
-            f"deterministic=True with a bias of shape {bias_shape}, which broadcasts to "
-            f"{(shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)}, is not implemented {refusal}: "
-            f"its dbias would be summed with float atomics. Pass the bias expanded to the full shape "
-            f"(bias.expand(...)), use deterministic=False, or bias_grad=False where the bias needs no gradient")
-
-
-def ordered_refusal(opts, shape: ProblemShape) -> str:
-    """Why a deterministic backward cannot sum this broadcast bias's dbias without float atomics ('' where it
-    can). A key bias (one row, every key) sums in its threads' own partials under any mask, and a bias with the
-    scores' rows and keys, broadcast over the batch and / or the heads, takes turns (cuda_src/cuflash/
-    dbias_order.cuh) under any mask: the dK / dV lists of ids and bool masks are then the union over each dbias
-    slice's contributors (cuda_src/block_lists.cu, union_lists). Both lay their sums out per batch row of the
-    batched layout: not for packed sequences. (A bias constant along the keys needs neither: its dbias comes
-    from dlse.)"""
-    return "for packed sequences" if shape.packed else ""
 
 
 def _row_sums_from_lse(lse, dlse, bias_shape: tuple, xp=None):

@@ -1,6 +1,6 @@
 """The deterministic backward's ordered dbias adds for a broadcast bias, on the CPU (fake_gpu: made-up addresses,
 a recording cuLaunchKernel): which biases take them, the counters' allocation and the parameters the dK/dV kernels
-read (cuda_src/cuflash/dbias_order.cuh), and the clear refusal of the forms the turns cannot order. The GPU tests
+read (cuda_src/cuflash/dbias_order.cuh), and that every mask takes them. The GPU tests
 (test_options_gpu.py) check the sums against float64 and their bits across runs."""
 import math
 

@@ -32,11 +32,18 @@ __host__ __device__ constexpr bool orders(bool bias, bool deterministic_runs) {
 
 __device__ __forceinline__ bool enabled(const AttnParams& p) { return p.dbias_order_offset != 0; }
 
+// Whether a slice gathers several batch rows (the bias broadcast over the batch) / several query heads (one bias
+// head for a group of them, or for all).
+__device__ __forceinline__ bool slice_spans_batch(const AttnParams& p) { return p.dbias_batch_stride == 0; }
+__device__ __forceinline__ bool slice_spans_heads(const AttnParams& p) {
+    return p.dbias_head_stride == 0 || p.bias_head_div > 1;
+}
+
 // The counter of the dbias tile (query block m_block, key block n_block) of the slice that (b, h) adds into.
 __device__ __forceinline__ int* counter(const AttnParams& p, int b, int h, int m_block, int n_block) {
     const int slice_heads = p.dbias_head_stride == 0 ? 1 : p.num_heads / p.bias_head_div;
     const int slice =
-        (p.dbias_batch_stride == 0 ? 0 : b) * slice_heads + (p.dbias_head_stride == 0 ? 0 : h / p.bias_head_div);
+        (slice_spans_batch(p) ? 0 : b) * slice_heads + (p.dbias_head_stride == 0 ? 0 : h / p.bias_head_div);
     return reinterpret_cast<int*>(p.dbias_accum + p.dbias_order_offset) +
            (static_cast<long long>(slice) * p.dbias_order_qblocks + m_block) * p.dbias_order_kblocks + n_block;
 }
@@ -45,7 +52,7 @@ __device__ __forceinline__ int* counter(const AttnParams& p, int b, int h, int m
 __device__ __forceinline__ int rank(const AttnParams& p, int b, int h) {
     const int heads = p.dbias_head_stride == 0 ? p.num_heads : p.bias_head_div;  // per slice
     const int head = p.dbias_head_stride == 0 ? h : h % p.bias_head_div;
-    return (p.dbias_batch_stride == 0 ? b : 0) * heads + head;
+    return (slice_spans_batch(p) ? b : 0) * heads + head;
 }
 
 // Spins until the counter reads `rank`; the adds its earlier holders released are then visible to this thread
