@@ -458,6 +458,15 @@ DETERMINISM_PROBLEMS = (
             dlse=True),
     Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, bias="scalar", segments="random", deterministic=True,
             dlse=True),
+    # Ids and windows without a bias on the warp-specialized D64 / D128 dK/dV kernels: their dQ adds ordered, ranked
+    # by the query blocks' lists (causal documents, a causal window with random block ids, unsorted random segment
+    # ids, whose tiles are all partial, a two-sided window; GQA, Sq != Sk, odd lengths).
+    Problem("bf16", B=3, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, segments="docs", deterministic=True,
+            dlse=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, causal=True, window=(64, 0), blocks="random",
+            deterministic=True),
+    Problem("bf16", B=2, Sq=333, Sk=333, H=4, Hkv=4, D=128, segments="random", deterministic=True),
+    Problem("bf16", B=2, Sq=200, Sk=333, H=6, Hkv=3, D=64, window=(40, 40), deterministic=True, dlse=True),
     # Biases without a gradient (bias_grad=False) are deterministic in every form; the WS D128 kernel, SIMT fp32, mma.sync D64.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, bias="keys", bias_grad=False,
             deterministic=True),
