@@ -170,7 +170,8 @@ def test_bool_mask(p):
 def test_bool_mask_all_false_and_all_true(monkeypatch):
     """A mask with nothing visible: out 0, lse -inf, every gradient 0; an all-True mask: bit-identical to
     segment ids that always match (the same general-mask kernel, the same full / partial tiles; both on the
-    mma.sync mainloop, which serves either kind, where sm_90a would give the ids the warp-specialized one)."""
+    mma.sync mainloop, which serves either kind, where sm_90a would give the ids the warp-specialized one, and the
+    deterministic dQ from the dQ kernel for both, where sm_90a would order the ids' adds in the dK/dV kernel)."""
     from cuflash import api, launch
     from cuflash.kernels import forward
 
@@ -179,6 +180,7 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
     monkeypatch.setattr(launch, "forward_plan", functools.lru_cache(maxsize=64)(launch.forward_plan.__wrapped__))
     monkeypatch.setattr(api, "_forward_plans", {})
     monkeypatch.setattr(api, "_backward_plans", {})
+    gu.dq_kernel_plans(monkeypatch)  # the ids' deterministic dQ from the dQ kernel too, as the mask's
     p = Problem("bf16", B=2, Sq=130, Sk=200, H=4, Hkv=2, D=64, causal=True, deterministic=True)
     x = gu.make_inputs(p)
     none = cupy.zeros((p.B, 1, p.Sq, p.Sk), dtype=bool)
