@@ -76,6 +76,10 @@ def cases(quick: bool = False) -> list:
             Case("D 8, Dv 24, one query", dtype, 1, 1, 9, 2, 1, 8, 24, True, False, True),
             Case("general mask: window + documents, GQA, block lists", dtype, 2, 150, 211, 4, 2, 64, 64, True,
                  False, False, "window+segments"),
+            Case("window + documents, deterministic, D 128, GQA: the ordered dQ adds under a general mask, ranked by "
+                 "the query blocks' lists", dtype, 2, 150, 211, 4, 2, 128, 128, True, True, False, "window+segments"),
+            Case("block ids, deterministic, D 64, dlse: the ordered dQ adds under a general mask without causal",
+                 dtype, 2, 130, 140, 4, 2, 64, 64, False, True, True, "blocks"),
             Case("general-mask tile queue: 288 tiles on at most the SMs' CTAs, each taking several, documents",
                  dtype, 12, 300, 300, 8, 2, 128, 128, True, False, False, "segments"),
             Case("block ids + softcap + ALiBi, MQA, deterministic", dtype, 1, 97, 300, 4, 1, 128, 128, False,

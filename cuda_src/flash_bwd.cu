@@ -51,7 +51,11 @@ namespace cuflash {
 extern __shared__ __align__(1024) unsigned char bwd_smem[];
 
 // The dK/dV kernel's mainloop (its last template argument; cuflash/kernels/backward.py: MAINLOOP_*).
-enum DkdvMainloopKind { kDkdvMainloopSm80 = 0, kDkdvMainloopSm90 = 1, kDkdvMainloopSm90Ws = 2 };
+// kDkdvMainloopSm90WsOrdered: the warp-specialized one under a general mask whose dQ adds may also be ordered
+// (the deterministic backward's; DkdvMainloopSm90Ws's kGeneralOrdered). The default general-mask kernels leave
+// that code out: beside it ptxas 13.0 spilled their producer's 24 registers 240 bytes more.
+enum DkdvMainloopKind { kDkdvMainloopSm80 = 0, kDkdvMainloopSm90 = 1, kDkdvMainloopSm90Ws = 2, kDkdvMainloopSm90WsOrdered = 3 };
+__host__ __device__ constexpr bool is_ws_mainloop(int kind) { return kind == kDkdvMainloopSm90Ws || kind == kDkdvMainloopSm90WsOrdered; }
 // The dQ kernel's (its last template argument; cuflash/kernels/backward.py: DQ_MAINLOOP_*).
 enum DqMainloopKind { kDqMainloopSm80 = 0, kDqMainloopSm90 = 1 };
 
@@ -130,12 +134,13 @@ flash_bwd_preprocess_kernel(const AttnParams params) {
 // 384 threads, a producer warpgroup and the kNWarps math warps.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMask, int kScoreMod, bool kAtomicDq,
           int kMainloop>
-__global__ void __launch_bounds__(kMainloop == kDkdvMainloopSm90Ws ? 384 : kNWarps * 32, 1)
+__global__ void __launch_bounds__(is_ws_mainloop(kMainloop) ? 384 : kNWarps * 32, 1)
 flash_bwd_dkdv_kernel(const AttnParams params, const __grid_constant__ TmaParams tma) {  // tma: cuflash/tma_sm90.cuh
     // The warp-specialized mainloop's atomic path stages a bias in its dS tiles (DkdvConfig's kBiasInDs).
     using Cfg = DkdvConfig<Elem, kHeadDim, kBlockM, kBlockN, kNWarps, kMask, kScoreMod, kAtomicDq,
-                           kMainloop == kDkdvMainloopSm90Ws && has_bias(kScoreMod) && kAtomicDq>;
-    using Mainloop = conditional_t<kMainloop == kDkdvMainloopSm90Ws, DkdvMainloopSm90Ws<Cfg>,
+                           is_ws_mainloop(kMainloop) && has_bias(kScoreMod) && kAtomicDq>;
+    using Mainloop = conditional_t<is_ws_mainloop(kMainloop),
+                                   DkdvMainloopSm90Ws<Cfg, kMainloop == kDkdvMainloopSm90WsOrdered>,
                                    conditional_t<kMainloop == kDkdvMainloopSm90, DkdvMainloopSm90<Cfg>,
                                                  DkdvMainloopSm80<Cfg>>>;
     CUFLASH_CHECK_SMEM_BYTES(Mainloop::kSmemBytes);

@@ -112,7 +112,7 @@ def plan_sums(opts, shape: ProblemShape, deterministic: bool, plan, dbias_d) -> 
             return Sums(bias_shape, dtype, "key_slots", partials=(shape.batch, shape.num_heads, slots, shape.seqlen_k))
         # The kernels carry the turns where a deterministic plan runs them (dbias_order.cuh, dkdv_mainloop.cuh):
         # the warp-specialized dK/dV kernel, or another one without the atomic dQ adds.
-        assert not getattr(dkdv, "atomic_dq", False) or dkdv.mainloop == backward_kernels.MAINLOOP_SM90_WS, dkdv
+        assert not getattr(dkdv, "atomic_dq", False) or dkdv.mainloop in backward_kernels.WS_MAINLOOPS, dkdv
         return Sums(bias_shape, dtype, "ordered", q_blocks=-(-shape.seqlen_q // dkdv.block_m),
                     k_blocks=-(-shape.seqlen_k // dkdv.block_n))
     if dtype == "float32" and dbias_d.array.flags.c_contiguous:

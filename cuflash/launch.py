@@ -326,10 +326,10 @@ def _qkv_boxes(plan: Plan) -> dict:
 
 def _reads_qkv_maps(plan: Plan) -> bool:
     """Whether ``plan`` launches a kernel that reads the q / k / v (/ dout) maps: the warp-specialized forward
-    or dK/dV kernel (mainloop 2 of either)."""
-    ws = {"cuflash::flash_fwd_kernel": _forward_kernels.MAINLOOP_SM90_WS,
-          "cuflash::flash_bwd_dkdv_kernel": _backward_kernels.MAINLOOP_SM90_WS}
-    return any(item.variant.name in ws and item.variant.config.mainloop == ws[item.variant.name]
+    or dK/dV kernel (mainloop 2 of either, or the dK/dV kernel's ordered 3)."""
+    ws = {"cuflash::flash_fwd_kernel": (_forward_kernels.MAINLOOP_SM90_WS,),
+          "cuflash::flash_bwd_dkdv_kernel": _backward_kernels.WS_MAINLOOPS}
+    return any(item.variant.name in ws and item.variant.config.mainloop in ws[item.variant.name]
                for item in plan.launches)
 
 

@@ -318,6 +318,21 @@ def bit_identical(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(cupy.all(bits(a) == bits(b)))
 
 
+def dq_kernel_plans(monkeypatch) -> None:
+    """For the rest of a test, the deterministic backward under a general mask takes the dQ kernel, as packed
+    sequences and a bool mask do, instead of the ordered dQ adds of the batched window / ids (sm_90a,
+    cuflash/kernels/backward.py ordered_dq_fits): their dq sums in another order, so tests that compare those
+    kinds bit for bit put them on one plan. Plan caches of the test's own, so no patched plan outlives it."""
+    from cuflash import api, launch
+    from cuflash.kernels import backward, is_general
+
+    fits = backward.ordered_dq_fits
+    monkeypatch.setattr(backward, "ordered_dq_fits",
+                        lambda arch, bucket, mask, mod: fits(arch, bucket, mask, mod) and not is_general(mask))
+    monkeypatch.setattr(launch, "backward_plan", functools.lru_cache(maxsize=64)(launch.backward_plan.__wrapped__))
+    monkeypatch.setattr(api, "_backward_plans", {})
+
+
 def nan_fill(buf):
     """Fill ``buf`` (any strides) with a quiet NaN of its dtype, in place; returns it."""
     if buf.dtype == BF16:

@@ -170,7 +170,8 @@ def test_bool_mask(p):
 def test_bool_mask_all_false_and_all_true(monkeypatch):
     """A mask with nothing visible: out 0, lse -inf, every gradient 0; an all-True mask: bit-identical to
     segment ids that always match (the same general-mask kernel, the same full / partial tiles; both on the
-    mma.sync mainloop, which serves either kind, where sm_90a would give the ids the warp-specialized one)."""
+    mma.sync mainloop, which serves either kind, where sm_90a would give the ids the warp-specialized one, and the
+    deterministic dQ from the dQ kernel for both, where sm_90a would order the ids' adds in the dK/dV kernel)."""
     from cuflash import api, launch
     from cuflash.kernels import forward
 
@@ -179,6 +180,7 @@ def test_bool_mask_all_false_and_all_true(monkeypatch):
     monkeypatch.setattr(launch, "forward_plan", functools.lru_cache(maxsize=64)(launch.forward_plan.__wrapped__))
     monkeypatch.setattr(api, "_forward_plans", {})
     monkeypatch.setattr(api, "_backward_plans", {})
+    gu.dq_kernel_plans(monkeypatch)  # the ids' deterministic dQ from the dQ kernel too, as the mask's
     p = Problem("bf16", B=2, Sq=130, Sk=200, H=4, Hkv=2, D=64, causal=True, deterministic=True)
     x = gu.make_inputs(p)
     none = cupy.zeros((p.B, 1, p.Sq, p.Sk), dtype=bool)
@@ -458,6 +460,15 @@ DETERMINISM_PROBLEMS = (
             dlse=True),
     Problem("fp32", B=2, Sq=150, Sk=150, H=4, Hkv=2, D=64, bias="scalar", segments="random", deterministic=True,
             dlse=True),
+    # Ids and windows without a bias on the warp-specialized D64 / D128 dK/dV kernels: their dQ adds ordered, ranked
+    # by the query blocks' lists (causal documents, a causal window with random block ids, unsorted random segment
+    # ids, whose tiles are all partial, a two-sided window; GQA, Sq != Sk, odd lengths).
+    Problem("bf16", B=3, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, segments="docs", deterministic=True,
+            dlse=True),
+    Problem("fp16", B=2, Sq=257, Sk=190, H=6, Hkv=2, D=64, causal=True, window=(64, 0), blocks="random",
+            deterministic=True),
+    Problem("bf16", B=2, Sq=333, Sk=333, H=4, Hkv=4, D=128, segments="random", deterministic=True),
+    Problem("bf16", B=2, Sq=200, Sk=333, H=6, Hkv=3, D=64, window=(40, 40), deterministic=True, dlse=True),
     # Biases without a gradient (bias_grad=False) are deterministic in every form; the WS D128 kernel, SIMT fp32, mma.sync D64.
     Problem("bf16", B=2, Sq=300, Sk=333, H=4, Hkv=2, D=128, causal=True, bias="keys", bias_grad=False,
             deterministic=True),

@@ -262,17 +262,29 @@ def test_dq_accum_slack_covers_every_dkdv_query_block(arch):
 
 
 @pytest.mark.parametrize("bucket", (64, 128))
-@pytest.mark.parametrize("causal", (False, True))
-def test_deterministic_backward_orders_the_dq_adds_on_sm90(bucket, causal):
-    """sm_90a, no mask or causal, D64 / D128: the deterministic backward runs the warp-specialized dK/dV kernel
-    with its dQ step (ordered adds) and the convert kernel, no dQ kernel; the counters follow dq_accum's rows
-    and slack in the same buffer, one per (batch, head, query block), and fit it."""
-    shape = ProblemShape(3, 1000, 777, 8, 2, bucket, bucket, "bfloat16", causal)
+@pytest.mark.parametrize("mask", ("none", "causal", "general"))
+def test_deterministic_backward_orders_the_dq_adds_on_sm90(bucket, mask):
+    """sm_90a, no mask, causal or a general mask (no bias), D64 / D128: the deterministic backward runs the
+    warp-specialized dK/dV kernel with its dQ step (ordered adds) and the convert kernel, no dQ kernel; the
+    counters follow dq_accum's rows and slack in the same buffer, one per (batch, head, query block), and fit
+    it. Under a general mask the block lists come in both orientations of the dK/dV tile: the transposed ones it
+    walks, and the query blocks' ones that rank its adds."""
+    shape = ProblemShape(3, 1000, 777, 8, 2, bucket, bucket, "bfloat16", mask == "causal",
+                         general_mask=mask == "general")
     plan = kernels.plan_backward(shape, 90, True)
+    lists = [launch for launch in plan.launches if launch.variant.name.endswith("flash_block_lists_kernel")]
+    dkdv = next(launch.variant for launch in plan.launches if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
+    block_m, block_n = dkdv.config.block_m, dkdv.config.block_n
+    if mask == "general":
+        tiles = {(v.config.outer, v.config.inner, v.config.transposed) for v in (l.variant for l in lists)}
+        assert tiles == {(block_m, block_n, False), (block_n, block_m, True)} and len(lists) == 2
+        assert dict(plan.fields)["kv_blocks_rows"] == -(-1000 // block_m)
+    else:
+        assert not lists
     names = [launch.variant.name for launch in plan.launches]
     assert "cuflash::flash_bwd_dq_kernel" not in names and "cuflash::flash_bwd_convert_dq_kernel" in names
-    dkdv = next(launch.variant for launch in plan.launches if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
-    assert dkdv.config.atomic_dq and dkdv.config.mainloop == backward.MAINLOOP_SM90_WS
+    ordered_kind = backward.MAINLOOP_SM90_WS_ORDERED if mask == "general" else backward.MAINLOOP_SM90_WS
+    assert dkdv.config.atomic_dq and dkdv.config.mainloop == ordered_kind
     fields = dict(plan.fields)
     rows, width = backward.dq_accum_shape(shape, bucket)
     blocks = -(-shape.seqlen_q // dkdv.config.block_m)
@@ -280,8 +292,13 @@ def test_deterministic_backward_orders_the_dq_adds_on_sm90(bucket, causal):
     total_rows, total_width = dict(plan.scratch)["dq_accum"]
     assert total_width == width and (total_rows - rows) * width >= shape.batch * shape.num_heads * blocks
     assert fields["dq_ordered"] == 1 and fields["dq_order_rows"] == dkdv.config.block_m
-    # The atomic backward: the same counters, for its first stores (unordered adds).
-    default = dict(kernels.plan_backward(shape, 90, False).fields)
+    # The atomic backward: the same counters, for its first stores (unordered adds); under a general mask the
+    # kernel without the ordered path.
+    default_plan = kernels.plan_backward(shape, 90, False)
+    default = dict(default_plan.fields)
+    default_dkdv = next(launch.variant for launch in default_plan.launches
+                        if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
+    assert default_dkdv.config.mainloop == backward.MAINLOOP_SM90_WS
     assert default["dq_ordered"] == 0 and default["dq_order_offset"] == rows * width
 
 
@@ -315,9 +332,9 @@ def test_default_backward_plans_first_stores_where_the_dq_is_staged(arch, bucket
 
 
 @pytest.mark.parametrize("arch, bucket, general, packed", [(80, 128, False, False), (90, 256, False, False),
-                                                           (90, 128, True, False), (90, 64, False, True)])
+                                                           (90, 64, False, True)])
 def test_deterministic_backward_keeps_the_dq_kernel_elsewhere(arch, bucket, general, packed):
-    """sm_80, D256, the general mask kinds and packed sequences: the dQ kernel of its own, no counters."""
+    """sm_80, D256 and packed sequences: the dQ kernel of its own, no counters."""
     shape = ProblemShape(2, 300, 300, 4, 4, bucket, bucket, "bfloat16", True, general_mask=general, packed=packed,
                          total_q=600, total_k=600)
     plan = kernels.plan_backward(shape, arch, True)

@@ -243,9 +243,11 @@ def test_varlen_matches_the_reference(case):
 
 
 @pytest.mark.parametrize("dtype,causal", [("bf16", True), ("fp16", False), ("fp32", True)])
-def test_equal_lengths_are_bit_identical_to_the_batched_call(dtype, causal):
+def test_equal_lengths_are_bit_identical_to_the_batched_call(dtype, causal, monkeypatch):
     """Packed sequences of one length against the batched call on the same rows, both on the general mask's
-    kernels (packed calls run those; an unbounded window puts the batched call there too): same bits."""
+    kernels (packed calls run those; an unbounded window puts the batched call there too) and, deterministic,
+    both with the dQ kernel (the batched call's sm_90a plan would order its dQ adds instead): same bits."""
+    gu.dq_kernel_plans(monkeypatch)
     B, S, H, Hkv, D = 3, 200, 4, 2, 64
     rng = np.random.default_rng(11)
     dt = gu.DTYPES[dtype]

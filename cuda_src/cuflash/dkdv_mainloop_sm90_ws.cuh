@@ -48,7 +48,9 @@
 
 namespace cuflash {
 
-template <typename Cfg>
+// kGeneralOrdered (a general mask only): the dQ adds may be ordered (the deterministic plan's variant, flash_bwd.cu's
+// kDkdvMainloopSm90WsOrdered); the default general-mask kernels are built without that path.
+template <typename Cfg, bool kGeneralOrdered = false>
 struct DkdvMainloopSm90Ws {
     using Elem = typename Cfg::Elem;
     using Math = DkdvWgmmaSm90<Cfg>;
@@ -78,6 +80,8 @@ struct DkdvMainloopSm90Ws {
     static constexpr bool kExchange = Cfg::kWarpsD == 2;
     static constexpr bool kStagedDq = Cfg::kAtomicDq && !kExchange;  // dQ staged for the producer's bulk add
     static_assert(!kExchange || !Cfg::kBias, "the exchanged layout takes no bias");
+    static_assert(!kGeneralOrdered || (is_general_mask(Cfg::kMask) && kStagedDq && !Cfg::kBias),
+                  "ordered adds under a general mask: the staged dQ step, no bias (its dbias turns need the dQ kernel)");
     static_assert(!Cfg::kBias || !Cfg::kAtomicDq || Cfg::kBiasInDs,
                   "a bias on the atomic path is staged in the dS tiles (no room for tiles of its own)");
     using TileDs = typename Cfg::TileDs;
@@ -153,10 +157,12 @@ struct DkdvMainloopSm90Ws {
     };
     static __device__ __forceinline__ Cursor start(int n_block, int h0, int num_m_blocks, bool ordered) {
         const int first = Cfg::kAtomicDq && !ordered && num_m_blocks > 0 ? n_block % num_m_blocks : 0;
-        return Cursor{first, h0, first, num_m_blocks, ordered && !kCausalOrder};
+        return Cursor{first, h0, first, num_m_blocks, ordered && !kDescendingRanks};
     }
+    // The general masks' kernels serve packed sequences too (kPacked); their kGeneralOrdered variant orders the
+    // adds where the plan asks, on the batched layout only (cuflash/kernels/backward.py ordered_dq_fits).
     static __device__ __forceinline__ bool ordered_dq(const AttnParams& params) {
-        return kStagedDq && !kPacked && dq_order::enabled(params);
+        return kStagedDq && (!kPacked || kGeneralOrdered) && dq_order::enabled(params);
     }
     // The default backward's first stores (dq_order.cuh): unordered adds, each query block's first one a store.
     // Also the general masks' kernels (kPacked: they serve packed sequences too), where the plan asks for them on
@@ -164,16 +170,20 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ bool claimed_dq(const AttnParams& params) {
         return kStagedDq && dq_order::claimed(params);
     }
-    // The deterministic backward runs this kernel without dQ adds, or with ordered ones (none / causal:
-    // cuflash/kernels/backward.py ordered_dq_fits); only those variants carry the dbias turns (dbias_order.cuh).
+    // The deterministic backward runs this kernel without dQ adds, or with ordered ones (none / causal, and the
+    // general masks without a bias: cuflash/kernels/backward.py ordered_dq_fits); only the variants whose
+    // deterministic plans take them carry the dbias turns (dbias_order.cuh).
     static constexpr bool kDbiasTurns =
         dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask));
-    // Under causal the ordered adds into a query block run from its diagonal key block down to key block 0
-    // (dq_order.cuh): each CTA walks its blocks upwards from its diagonal and the grid hands out the key blocks
-    // last-first, so a CTA only ever waits for a CTA dispatched before it, one step ahead of it.
+    // Under causal and the general masks the ordered adds into a query block run from its last visible key block
+    // down (dq_order.cuh): each CTA walks its query blocks upwards and the grid hands out the key blocks
+    // last-first, so a CTA only ever waits for CTAs dispatched before it (higher key blocks); under causal, and
+    // wherever a key block's first query block is the one where it is the last visible key block (causal
+    // documents, a causal window), one step ahead of it.
     static constexpr bool kCausalOrder = Cfg::kMask == kCausalMask;
+    static constexpr bool kDescendingRanks = kCausalOrder || is_general_mask(Cfg::kMask);
     static __device__ __forceinline__ int key_block(const AttnParams& params, int bx) {
-        return kCausalOrder && ordered_dq(params) ? int(gridDim.x) - 1 - bx : bx;
+        return kDescendingRanks && ordered_dq(params) ? int(gridDim.x) - 1 - bx : bx;
     }
     // The CTA's (key block, head group, batch) from its grid position: key blocks in chunks of heads
     // (chunked_grid_order, bwd_config.cuh) under causal, longest first across heads, unless the dQ adds are
@@ -189,13 +199,32 @@ struct DkdvMainloopSm90Ws {
         n_block = key_block(params, n_block);
     }
     // The turn of key block n_block at query block m_block: without a mask the key blocks add in increasing
-    // order; under causal from the block's last visible key block down.
+    // order; under causal from the block's last visible key block down; under a general mask likewise, its rank
+    // the number of key blocks after it in the query block's list (the forward orientation's lists of the dK/dV
+    // tile, built beside the transposed ones that this kernel walks: both classify every tile alike).
     static __device__ __forceinline__ int add_rank(const AttnParams& params, int b, int head, int m_block, int n_block) {
         if constexpr (kCausalOrder) {
             const typename Cfg::Mask mask(params, SeqInfo(params, b, head, LayoutOf<Cfg::kMask>()));
             int n_begin, n_end;
             mask.template key_block_range<Cfg::kBlockM, Cfg::kBlockN>(m_block, n_begin, n_end);
             return n_end - 1 - n_block;
+        } else if constexpr (is_general_mask(Cfg::kMask)) {
+            // GeneralMaskOf::kv_list's row on the batched layout (the only one with ordered adds), from the
+            // parameter block on each call: a Mask here cost the producer's 24 registers ~240 bytes of spill.
+            const long long row = (static_cast<long long>(opaque(b)) * params.mask_heads +
+                                   opaque(head) / params.mask_head_div) * params.kv_blocks_rows + m_block;
+            const int* list = params.kv_blocks + row * params.kv_blocks_stride;  // [count, (block << 1) | partial]
+            const int count = __ldg(list);
+            int lo = 0, hi = count;  // the first entry at or past n_block (it is n_block)
+            while (lo < hi) {
+                const int mid = (lo + hi) / 2;
+                if ((__ldg(list + 1 + mid) >> 1) < n_block) {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            return count - 1 - lo;
         } else {
             return n_block;
         }

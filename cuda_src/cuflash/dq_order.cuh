@@ -6,13 +6,20 @@
 // order. A counter per (batch, query head, query block), in dq_accum's allocation after its rows and slack
 // (params.dq_order_offset floats from dq_accum, params.dq_order_blocks per head; zeroed by the pre-pass), holds how
 // many key blocks have added into that block. A key block adds when the counter reads its rank, then, once its add
-// is complete, raises it by one. The key blocks adding into a query block are 0 .. n_last (none, causal), ranked
-// so that a CTA only ever waits for one dispatched before it (a lower blockIdx.x), so every wait ends:
+// is complete, raises it by one. The key blocks adding into a query block (0 .. n_last without a mask and under
+// causal, the block's list under a general mask) are ranked so that a CTA only ever waits for CTAs dispatched
+// before it (lower blockIdx.x), so every wait ends:
 //   - no mask: rank n; every CTA walks the query blocks in one order (last first), key block n one add behind
 //     key block n - 1;
 //   - causal: rank n_last - n, from the block's diagonal down; the grid hands out the key blocks last-first
 //     (DkdvMainloopSm90Ws::key_block) and each CTA walks up from its diagonal, so key block n reaches a query
-//     block one step after key block n + 1 did, and no CTA holds its SM waiting behind longer ones.
+//     block one step after key block n + 1 did, and no CTA holds its SM waiting behind longer ones;
+//   - a general mask (window, segment / block ids; the batched layout, no bias): as under causal, from the query
+//     block's last listed key block down, the rank being the number of key blocks after it in the query block's
+//     list (the forward orientation's lists of the dK/dV tile, built beside the transposed ones the CTAs walk; both
+//     classify every tile alike). A causal window or causal documents pipeline as causal does; a key block whose
+//     first query block lists key blocks after it (a two-sided window, bidirectional documents) waits for them as
+//     key block n waits for n - 1 without a mask, a step behind each.
 //
 // First stores (both backwards, where the producer has a warp that writes dQ: first_store). The pre-pass then
 // leaves dq_accum as it is (zeroing it wrote the whole buffer once more, beside the pre-pass's reads of O and dO);

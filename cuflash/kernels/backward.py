@@ -62,7 +62,8 @@ class DkdvConfig:
     mask: int  # one of MASK_KINDS (kernels/__init__.py)
     score_mod: int  # MOD_NONE, MOD_SOFTCAP_ALIBI, MOD_BIAS or MOD_BIAS_SOFTCAP
     atomic_dq: bool  # also accumulate dQ with float atomics (the default, non-deterministic path)
-    mainloop: int  # MAINLOOP_SM80 (mma.sync), MAINLOOP_SM90 (wgmma) or MAINLOOP_SM90_WS (warp-specialized)
+    mainloop: int  # MAINLOOP_SM80 (mma.sync), MAINLOOP_SM90 (wgmma), MAINLOOP_SM90_WS (warp-specialized) or
+    # MAINLOOP_SM90_WS_ORDERED (that one with ordered dQ adds under a general mask)
 
     @property
     def wgmma(self) -> bool:
@@ -324,10 +325,26 @@ for _key, _bytes in {(90, 128, 4, 3, False): 20, (90, 128, 5, 3, False): 20, (90
                      (90, 64, 2, 3, False): 8, (90, 64, 3, 3, False): 8, (90, 128, 3, 2, False): 96}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
+#: Session 43: the general mask's ordered warp-specialized dK/dV variants (MAINLOOP_SM90_WS_ORDERED, only the
+#: deterministic plan's), per (arch, head dim): their producer (24 registers) spills 408 / 420 bytes (D128 / D64,
+#: NVRTC 13.0) and 440 / 432 (13.5), against the default variants' 168 that leave the ordered path out. Measured
+#: with them: see benchmarks/RESULTS.md, session 43.
+ORDERED_SPILL_ALLOWANCE: dict = {(90, 128): 440, (90, 64): 432}
+
+
+def spill_allowance(arch: int, config) -> int:
+    """The spill bytes (stores + loads) a dK/dV variant's build may report (SPILL_ALLOWANCE)."""
+    if config.mainloop == MAINLOOP_SM90_WS_ORDERED:
+        return ORDERED_SPILL_ALLOWANCE.get((arch, config.head_dim), 0)
+    return SPILL_ALLOWANCE.get((arch, config.head_dim, config.mask, config.score_mod, config.atomic_dq), 0)
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
 #: thread loading; wgmma behind a producer warpgroup (loads and the dQ adds; cuflash/dkdv_mainloop_sm90_ws.cuh).
 MAINLOOP_SM80, MAINLOOP_SM90, MAINLOOP_SM90_WS = 0, 1, 2
+#: The warp-specialized mainloop under a general mask with its ordered dQ adds compiled in (the deterministic
+#: plan's; flash_bwd.cu's kDkdvMainloopSm90WsOrdered). The default general-mask kernels are built without them.
+MAINLOOP_SM90_WS_ORDERED = 3
+WS_MAINLOOPS = (MAINLOOP_SM90_WS, MAINLOOP_SM90_WS_ORDERED)
 #: The producer warpgroup of the warp-specialized mainloop, on top of the tile's math warps.
 PRODUCER_THREADS = 128
 
@@ -479,7 +496,7 @@ def stages_dq(dkdv: KernelVariant) -> bool:
     of the D256 tile, which adds from registers)."""
     c = dkdv.config
     warps_d = c.num_warps // (c.block_n // 16)
-    return c.mainloop == MAINLOOP_SM90_WS and c.atomic_dq and warps_d == 1
+    return c.mainloop in WS_MAINLOOPS and c.atomic_dq and warps_d == 1
 
 
 def reduce_dkdv_variant(dtype: str, bucket: int) -> KernelVariant:
@@ -536,14 +553,18 @@ def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bo
 
 
 def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0,
-                 mainloop: int | None = None) -> KernelVariant:
+                 mainloop: int | None = None, ordered: bool = False) -> KernelVariant:
+    """``ordered``: the deterministic plan's kernel with ordered dQ adds (ordered_dq_fits); under a general mask
+    the warp-specialized variant that has them compiled in (MAINLOOP_SM90_WS_ORDERED)."""
     if mainloop is None:
         mainloop = dkdv_mainloop(arch, bucket, mask, score_mod, atomic_dq)
+        if ordered and mainloop == MAINLOOP_SM90_WS and is_general(mask):
+            mainloop = MAINLOOP_SM90_WS_ORDERED
     if mainloop != MAINLOOP_SM80 and not uses_wgmma(arch, bucket, score_mod):
         raise ValueError(f"no wgmma dK/dV tile for D{bucket} score_mod {score_mod} on sm_{arch}")
     tile = tile_sm80(arch, bucket, mask != 0, score_mod, wgmma=mainloop != MAINLOOP_SM80)
     bias = has_bias(score_mod)
-    bias_in_ds = bias and atomic_dq and mainloop == MAINLOOP_SM90_WS  # DkdvConfig's kBiasInDs (flash_bwd.cu)
+    bias_in_ds = bias and atomic_dq and mainloop in WS_MAINLOOPS  # DkdvConfig's kBiasInDs (flash_bwd.cu)
     smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias, bias_in_ds)
     # The bias tiles on top of a table tile chosen without them: halve the streamed queries until it fits
     # (A100 D160-D192 64 x 64: 183 KB with the bias, 32 x 64: 131 KB), keeping 16 queries per warp.
@@ -552,7 +573,7 @@ def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool,
         tile = BwdTile(tile.block_m // 2, tile.block_n, tile.num_warps)
         smem = dkdv_smem_bytes(bucket, tile.block_m, tile.block_n, tile.num_warps, atomic_dq, bias)
     threads = tile.num_warps * 32
-    if mainloop == MAINLOOP_SM90_WS:
+    if mainloop in WS_MAINLOOPS:
         if not ws_fits(bucket, mask, score_mod):
             raise ValueError(f"no warp-specialized dK/dV mainloop for D{bucket} mask {mask} score_mod {score_mod}")
         smem += ws_extra_smem_bytes(tile.block_m, tile.block_n, bucket, atomic_dq)
@@ -654,11 +675,15 @@ def dq_accum_shape(shape: ProblemShape, bucket: int) -> tuple:
 def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
     """Whether the deterministic backward runs the warp-specialized dK/dV kernel with its dQ step, the adds
     into each query block taken in key-block order (cuda_src/cuflash/dq_order.cuh), instead of a dQ kernel of
-    its own: sm_90a, the warp-specialized tiles, and the masks whose key blocks adding into a query block are
-    always 0 .. n (none, causal; the general kinds, packed sequences among them, keep the dQ kernel). The kernel
-    is the atomic backward's own, which takes the warp-specialized mainloop wherever it fits."""
+    its own: sm_90a, the warp-specialized tiles, and every mask kind (the caller leaves out packed sequences).
+    Without a mask the key blocks add into a query block in increasing order; under causal and the general kinds
+    from its last visible key block down, ranked under a general mask by the query block's list of the dK/dV tile
+    (plan_backward builds it beside the transposed one). A bias under a general mask keeps the dQ kernel: there
+    the deterministic dbias adds take turns (dbias_order.cuh) only in the dK/dV variants without the dQ step. The
+    kernel is the atomic backward's own (which takes the warp-specialized mainloop wherever it fits), under a
+    general mask its variant with the ordered path compiled in (dkdv_variant's ``ordered``)."""
     return (dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS and not ws_exchanges(bucket)
-            and mask in (MASK_NONE, MASK_CAUSAL))
+            and not (is_general(mask) and has_bias(score_mod)))
 
 
 def dq_order_counters(shape: ProblemShape, block_m: int) -> int:
@@ -710,12 +735,15 @@ def plan_backward(shape: ProblemShape, arch: int, deterministic: bool, num_sms: 
 
     ordered = deterministic and not shape.packed and ordered_dq_fits(arch, bucket, mask, mod)
     separate_dq = (deterministic and not ordered) or split_dq(arch, bucket, mask, mod)  # dQ in the dQ kernel
-    dkdv = dkdv_variant(arch, dtype, bucket, mask, not separate_dq, mod)  # ordered: the default's kernel
+    dkdv = dkdv_variant(arch, dtype, bucket, mask, not separate_dq, mod, ordered=ordered)  # the default's, or its
+    # ordered variant (a general mask)
     if general:  # the query blocks of each key block
         add_lists(dkdv, True)
+        if ordered:  # and the key blocks of each query block: the ordered adds' ranks
+            add_lists(dkdv, False)
     key_blocks = _ceil_div(sk, dkdv.config.block_n)
     # Causal blocks go longest first on the warp-specialized kernel unless its dQ adds are ordered (flash_bwd.cu).
-    longest_first = dkdv.config.mainloop == MAINLOOP_SM90_WS and not ordered and not shape.packed
+    longest_first = dkdv.config.mainloop in WS_MAINLOOPS and not ordered and not shape.packed
     heads = dkdv_heads(shape, dkdv.config.block_m, dkdv.config.block_n, num_sms, longest_first)
     launches.append(Launch(dkdv, (key_blocks, h // heads, b)))
     # dq = scale * dq_accum, read in the order the dK/dV kernel's adds wrote (stages_dq); after an atomic dK/dV
@@ -765,4 +793,6 @@ def all_variants(arch: int) -> list:
                             raise
                         dkdv = []
                     out += dkdv + [dq_variant(arch, dtype, bucket, mask, mod)]
+                    if is_general(mask) and ordered_dq_fits(arch, bucket, mask, mod):  # the deterministic plan's
+                        out.append(dkdv_variant(arch, dtype, bucket, mask, True, mod, ordered=True))
     return out

@@ -84,6 +84,8 @@ def all_variants(arch: int) -> list:
             c = v.config
             if is_general(getattr(c, "mask", 0)):
                 tiles.add((c.block_m, c.block_n, "dkdv" in v.name))
+                if "dkdv" in v.name and c.mainloop == backward.MAINLOOP_SM90_WS_ORDERED:  # its dQ adds' ranks
+                    tiles.add((c.block_m, c.block_n, False))
     out = []
     for block_m, block_n, transposed in sorted(tiles):
         outer, inner = (block_n, block_m) if transposed else (block_m, block_n)
