@@ -209,11 +209,10 @@ struct DkdvMainloopSm90Ws {
             mask.template key_block_range<Cfg::kBlockM, Cfg::kBlockN>(m_block, n_begin, n_end);
             return n_end - 1 - n_block;
         } else if constexpr (is_general_mask(Cfg::kMask)) {
-            // GeneralMaskOf::kv_list's row on the batched layout (the only one with ordered adds), from the
-            // parameter block on each call: a Mask here cost the producer's 24 registers ~240 bytes of spill.
-            const long long row = (static_cast<long long>(opaque(b)) * params.mask_heads +
-                                   opaque(head) / params.mask_head_div) * params.kv_blocks_rows + m_block;
-            const int* list = params.kv_blocks + row * params.kv_blocks_stride;  // [count, (block << 1) | partial]
+            // The query block's list row on the batched layout (the only one with ordered adds), from the parameter
+            // block on each call: a whole Mask here (its SeqInfo) cost the producer's 24 registers more spill.
+            const int* list = Cfg::Mask::kv_list_of(params, opaque(b), opaque(head) / params.mask_head_div,
+                                                    m_block);  // [count, (block << 1) | partial ascending]
             const int count = __ldg(list);
             int lo = 0, hi = count;  // the first entry at or past n_block (it is n_block)
             while (lo < hi) {
