@@ -218,8 +218,11 @@ __device__ __forceinline__ int tile_class(const AttnParams& params, int bm, int 
 // each contributor must visit the same tiles. Ids differ by batch row, a bool mask by batch row and head; the
 // union over the batch rows (a bias broadcast over them) and the mask heads (a bias shared by several heads)
 // gives every contributor one list, its own skipped tiles in it as partial ones (the mask hides every pair).
+// The query blocks' lists (not transposed) are united too where they rank the ordered dQ adds of such a plan
+// (dq_order.cuh: a CTA walking a united tile adds its zero dQ there, in its rank); a dQ kernel's own lists are not.
+template <bool kTransposed>
 __device__ __forceinline__ bool union_lists(const AttnParams& p) {
-    return dbias_order::enabled(p) &&
+    return dbias_order::enabled(p) && (kTransposed || (p.dq_order_offset != 0 && p.dq_ordered != 0)) &&
            (p.q_segment_ids != nullptr || p.q_block_ids != nullptr || p.mask != nullptr);
 }
 
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(kListThreads, 1) flash_block_lists_kernel(cons
     bool inner_sorted = true;  // this thread's inner blocks' ids nondecreasing (IdRanges)
     // The union's members (union_lists): every batch row where the bias is broadcast over them, every mask
     // head where one bias head serves several query heads.
-    const bool unite = kTransposed && union_lists(params);
+    const bool unite = union_lists<kTransposed>(params);
     const int batches = unite && dbias_order::slice_spans_batch(params) ? params.batch : 1;
     const int heads = unite && dbias_order::slice_spans_heads(params) ? params.mask_heads : 1;
 

@@ -233,15 +233,24 @@ def test_warp_specialized_dkdv_mainloop_where_it_fits(bucket, mask, score_mod, a
 
 
 def test_deterministic_bias_backward_orders_the_dq_adds_on_sm90():
-    """A D128 bias (no softcap) without a mask or causal: the deterministic backward runs the warp-specialized
-    dK/dV kernel with its ordered dQ adds, as without the bias; under a general mask it keeps the dQ kernel."""
+    """A D128 bias (no softcap) without a mask, causal, or under a window / ids: the deterministic backward runs the
+    warp-specialized dK/dV kernel with its ordered dQ adds, as without the bias (under a general mask its ordered
+    variant, with the block lists of both orientations); with a softcap too (mma.sync) or a bool mask (the 8-warp
+    wgmma tile) it keeps the dQ kernel."""
     shape = ProblemShape(2, 1000, 777, 8, 2, 128, 128, "bfloat16", True, score_mod=kernels.MOD_BIAS)
     names = [launch.variant.name for launch in kernels.plan_backward(shape, 90, True).launches]
     assert "cuflash::flash_bwd_dq_kernel" not in names
     general = ProblemShape(2, 1000, 777, 8, 2, 128, 128, "bfloat16", True, score_mod=kernels.MOD_BIAS,
                            general_mask=True)
-    names = [launch.variant.name for launch in kernels.plan_backward(general, 90, True).launches]
-    assert "cuflash::flash_bwd_dq_kernel" in names
+    plan = kernels.plan_backward(general, 90, True)
+    names = [launch.variant.name for launch in plan.launches]
+    assert "cuflash::flash_bwd_dq_kernel" not in names and names.count("cuflash::flash_block_lists_kernel") == 2
+    dkdv = next(launch.variant for launch in plan.launches if launch.variant.name == "cuflash::flash_bwd_dkdv_kernel")
+    assert dkdv.config.mainloop == backward.MAINLOOP_SM90_WS_ORDERED
+    for other in (dict(score_mod=kernels.MOD_BIAS_SOFTCAP), dict(score_mod=kernels.MOD_BIAS, bool_mask=True)):
+        shape = ProblemShape(2, 1000, 777, 8, 2, 128, 128, "bfloat16", True, general_mask=True, **other)
+        names = [launch.variant.name for launch in kernels.plan_backward(shape, 90, True).launches]
+        assert "cuflash::flash_bwd_dq_kernel" in names, other
 
 
 @pytest.mark.parametrize("arch", (80, 86, 90))

@@ -16,7 +16,8 @@ unmasked D256 forward's 80-key tile for heads of at least 8192 keys, forward.D25
 causal one's; session 39, the D64 bias (no softcap) dK/dV variants on
 sm_90a moved to the warp-specialized mainloop, but beside a bool mask or dropout, and the dbias conversion kernel
 joined; session 43, the general mask's warp-specialized dK/dV variants with ordered dQ adds, mainloop kind 3, and
-the forward-orientation block lists of their tile, 64 x 128, which rank those adds). A change of
+the forward-orientation block lists of their tile, 64 x 128, which rank those adds; then their bias variants). A
+change of
 any tile, warp count, stage count or wgmma choice on sm_80 or sm_90a changes this set: regenerate the
 file only for a deliberate, measured tile change, and say so in the commit.
 """

@@ -80,8 +80,8 @@ struct DkdvMainloopSm90Ws {
     static constexpr bool kExchange = Cfg::kWarpsD == 2;
     static constexpr bool kStagedDq = Cfg::kAtomicDq && !kExchange;  // dQ staged for the producer's bulk add
     static_assert(!kExchange || !Cfg::kBias, "the exchanged layout takes no bias");
-    static_assert(!kGeneralOrdered || (is_general_mask(Cfg::kMask) && kStagedDq && !Cfg::kBias),
-                  "ordered adds under a general mask: the staged dQ step, no bias (its dbias turns need the dQ kernel)");
+    static_assert(!kGeneralOrdered || (is_general_mask(Cfg::kMask) && kStagedDq),
+                  "ordered adds under a general mask: the staged dQ step");
     static_assert(!Cfg::kBias || !Cfg::kAtomicDq || Cfg::kBiasInDs,
                   "a bias on the atomic path is staged in the dS tiles (no room for tiles of its own)");
     using TileDs = typename Cfg::TileDs;
@@ -171,10 +171,10 @@ struct DkdvMainloopSm90Ws {
         return kStagedDq && dq_order::claimed(params);
     }
     // The deterministic backward runs this kernel without dQ adds, or with ordered ones (none / causal, and the
-    // general masks without a bias: cuflash/kernels/backward.py ordered_dq_fits); only the variants whose
-    // deterministic plans take them carry the dbias turns (dbias_order.cuh).
+    // general masks' kGeneralOrdered variant: cuflash/kernels/backward.py ordered_dq_fits); only the variants
+    // deterministic plans run carry the dbias turns (dbias_order.cuh), not the general masks' default ones.
     static constexpr bool kDbiasTurns =
-        dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask));
+        dbias_order::orders(Cfg::kBias, !Cfg::kAtomicDq || !is_general_mask(Cfg::kMask) || kGeneralOrdered);
     // Under causal and the general masks the ordered adds into a query block run from its last visible key block
     // down (dq_order.cuh): each CTA walks its query blocks upwards and the grid hands out the key blocks
     // last-first, so a CTA only ever waits for CTAs dispatched before it (higher key blocks); under causal, and
@@ -209,11 +209,10 @@ struct DkdvMainloopSm90Ws {
             mask.template key_block_range<Cfg::kBlockM, Cfg::kBlockN>(m_block, n_begin, n_end);
             return n_end - 1 - n_block;
         } else if constexpr (is_general_mask(Cfg::kMask)) {
-            // GeneralMaskOf::kv_list's row on the batched layout (the only one with ordered adds), from the
-            // parameter block on each call: a Mask here cost the producer's 24 registers ~240 bytes of spill.
-            const long long row = (static_cast<long long>(opaque(b)) * params.mask_heads +
-                                   opaque(head) / params.mask_head_div) * params.kv_blocks_rows + m_block;
-            const int* list = params.kv_blocks + row * params.kv_blocks_stride;  // [count, (block << 1) | partial]
+            // The query block's list row on the batched layout (the only one with ordered adds), from the parameter
+            // block on each call: a whole Mask here (its SeqInfo) cost the producer's 24 registers more spill.
+            const int* list = Cfg::Mask::kv_list_of(params, opaque(b), opaque(head) / params.mask_head_div,
+                                                    m_block);  // [count, (block << 1) | partial ascending]
             const int count = __ldg(list);
             int lo = 0, hi = count;  // the first entry at or past n_block (it is n_block)
             while (lo < hi) {

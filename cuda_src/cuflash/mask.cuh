@@ -456,7 +456,9 @@ struct GeneralMaskOf : MaskTiles<GeneralMaskOf<kBool, kRanged>> {
 
   public:
     // This batch's list row of query block m (kv_blocks) or key block n (q_blocks).
-    __device__ __forceinline__ const int* kv_list(int m) const {
+    __device__ __forceinline__ const int* kv_list(int m) const { return kv_list_of(p, b, hm, m); }
+    // The same row without a mask object (batch row b, mask head hm).
+    static __device__ __forceinline__ const int* kv_list_of(const AttnParams& p, int b, int hm, int m) {
         return p.kv_blocks + ((static_cast<long long>(b) * p.mask_heads + hm) * p.kv_blocks_rows + m) * p.kv_blocks_stride;
     }
     __device__ __forceinline__ const int* q_list(int n) const {

@@ -326,16 +326,18 @@ for _key, _bytes in {(90, 128, 4, 3, False): 20, (90, 128, 5, 3, False): 20, (90
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 #: Session 43: the general mask's ordered warp-specialized dK/dV variants (MAINLOOP_SM90_WS_ORDERED, only the
-#: deterministic plan's), per (arch, head dim): their producer (24 registers) spills 408 / 420 bytes (D128 / D64,
-#: NVRTC 13.0) and 440 / 432 (13.5), against the default variants' 168 that leave the ordered path out. Measured
-#: with them: see benchmarks/RESULTS.md, session 43.
-ORDERED_SPILL_ALLOWANCE: dict = {(90, 128): 440, (90, 64): 432}
+#: deterministic plan's), per (arch, head dim, score modifier), against the default variants' 168 bytes that leave the
+#: ordered path out. Session 44 (add_rank reads the list row through GeneralMaskOf::kv_list_of; the bias variants
+#: carry the dbias turns): the producer (24 registers) spills 340 / 332 bytes (D128 / D64, NVRTC 13.0) and 356 / 368
+#: (13.5); with a bias 602 / 698 (13.0) and 478 / 658 (13.5); the default general-mask bias variants allow 444 / 398.
+#: Measured with them: benchmarks/RESULTS.md, sessions 43 and 44.
+ORDERED_SPILL_ALLOWANCE: dict = {(90, 128, 0): 356, (90, 64, 0): 368, (90, 128, 2): 602, (90, 64, 2): 698}
 
 
 def spill_allowance(arch: int, config) -> int:
     """The spill bytes (stores + loads) a dK/dV variant's build may report (SPILL_ALLOWANCE)."""
     if config.mainloop == MAINLOOP_SM90_WS_ORDERED:
-        return ORDERED_SPILL_ALLOWANCE.get((arch, config.head_dim), 0)
+        return ORDERED_SPILL_ALLOWANCE.get((arch, config.head_dim, config.score_mod), 0)
     return SPILL_ALLOWANCE.get((arch, config.head_dim, config.mask, config.score_mod, config.atomic_dq), 0)
 
 #: The dK/dV kernel's mainloops (DkdvMainloopKind in cuda_src/flash_bwd.cu): mma.sync; wgmma with every
@@ -678,12 +680,11 @@ def ordered_dq_fits(arch: int, bucket: int, mask: int, score_mod: int) -> bool:
     its own: sm_90a, the warp-specialized tiles, and every mask kind (the caller leaves out packed sequences).
     Without a mask the key blocks add into a query block in increasing order; under causal and the general kinds
     from its last visible key block down, ranked under a general mask by the query block's list of the dK/dV tile
-    (plan_backward builds it beside the transposed one). A bias under a general mask keeps the dQ kernel: there
-    the deterministic dbias adds take turns (dbias_order.cuh) only in the dK/dV variants without the dQ step. The
-    kernel is the atomic backward's own (which takes the warp-specialized mainloop wherever it fits), under a
-    general mask its variant with the ordered path compiled in (dkdv_variant's ``ordered``)."""
-    return (dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS and not ws_exchanges(bucket)
-            and not (is_general(mask) and has_bias(score_mod)))
+    (plan_backward builds it beside the transposed one; with a bias whose dbias adds take turns, both lists are the
+    union over the turns' contributors, block_lists.cu). The kernel is the atomic backward's own (which takes the
+    warp-specialized mainloop wherever it fits), under a general mask its variant with the ordered path and the
+    dbias turns compiled in (dkdv_variant's ``ordered``)."""
+    return dkdv_mainloop(arch, bucket, mask, score_mod, True) == MAINLOOP_SM90_WS and not ws_exchanges(bucket)
 
 
 def dq_order_counters(shape: ProblemShape, block_m: int) -> int:
