@@ -188,22 +188,29 @@ def attention_forward(q, k, v, *, scale=None, causal=False, deterministic=False,
     key (whose output is 0). ``deterministic`` is accepted for symmetry: the forward always is.
     """
     try:
-        (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
-        (ko, po), (kl, pl) = array_key(out), array_key(lse)
-        option_key, option_pointers = _score_options_key(options) if options else (None, None)
-        key = (kq, kk, kv, ko, kl, _options_key(scale, causal), option_key)
+        key, pointers, option_pointers = _forward_key(q, k, v, out, lse, scale, causal, options)
         plan = _forward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
         key = plan = None
     if plan is not None and launch.current_device() == plan.device:
-        return _hit_forward(plan, [pq, pk, pv, po, pl], out, lse, stream, option_pointers)
+        return _hit_forward(plan, pointers, out, lse, stream, option_pointers)
     return _forward(q, k, v, scale, causal, out, lse, stream, options, key)
 
 
-def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option_pointers=None):
+def _forward_key(q, k, v, out, lse, scale, causal, options) -> tuple:
+    """``(key, pointers of q, k, v, out, lse, option pointers)`` of a forward call; raises (anything) for what the
+    keys cannot read."""
+    (kq, pq), (kk, pk), (kv, pv) = array_key(q), array_key(k), array_key(v)
+    (ko, po), (kl, pl) = array_key(out), array_key(lse)
+    option_key, option_pointers = _score_options_key(options) if options else (None, None)
+    return (kq, kk, kv, ko, kl, _options_key(scale, causal), option_key), [pq, pk, pv, po, pl], option_pointers
+
+
+def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option_pointers=None, packed=None):
     """A cached forward: allocate what the caller did not give, patch the pointers in, launch.
     ``pointers``: q, k, v, out, lse (0 where not given); ``option_pointers``: the score options' arrays
-    (None without options), after which the general mask's lists are carved from the pool."""
+    (None without options), after which the general mask's lists are carved from the pool; ``packed``: the
+    packed sequences' offsets (cu_seqlens_q, cu_seqlens_k pointers), after every other field."""
     if out is None and lse is None:
         out, lse = _allocate(plan.outputs, stream)
         pointers[3], pointers[4] = out.data.ptr, lse.data.ptr
@@ -214,13 +221,15 @@ def _hit_forward(plan: launch.CallPlan, pointers: list, out, lse, stream, option
         (lse,) = _allocate(plan.outputs[1:], stream)
         pointers[4] = lse.data.ptr
     owner = None
-    if option_pointers is not None:
+    if option_pointers is not None or packed is not None:  # packed calls run the general mask: lists even without
         owner, lists = _carve(plan, stream)
-        tail = option_pointers[5:]
-        pointers += [0] * (launch.PLAIN_POINTERS - 5) + option_pointers[:5]
+        tail = option_pointers[5:] if option_pointers is not None else ()
+        pointers += [0] * (launch.PLAIN_POINTERS - 5) + (option_pointers[:5] if option_pointers is not None else [0] * 5)
         pointers += [lists.get("kv_blocks", 0), lists.get("q_blocks", 0)]
         if tail:  # bias, dbias, dbias_accum, mask
             pointers += [tail[0][0], 0, 0, tail[0][1]]
+    if packed is not None:
+        pointers += [0] * (launch.BIAS_MASK_POINTERS - len(pointers)) + list(packed)
     plan.launch(pointers, _stream_ptr(stream))
     del owner  # the pool is stream-ordered: the lists are reused only by work behind these launches
     return out, lse
@@ -248,9 +257,8 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=None
                                         fields=(*forward_plan.fields, *opts.params(shape.causal).items(),
                                                 *(packed.fields if packed is not None else ())))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr)
-            if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
-                count = (launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None
-                         else launch.OPTION_POINTERS)
+            if options or packed is not None:  # the hit path patches the option arrays and the lists as well
+                count = _pointer_count(opts, packed)
                 pointers += (0,) * (launch.PLAIN_POINTERS - 5) + tuple(
                     int(params[0][field]) for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
             qkv = None if packed is not None else tuple((t.shape, t.strides, t.itemsize) for t in (qd, kd, vd))
@@ -261,6 +269,14 @@ def _forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=None
             if key is not None and not switched:
                 _remember(_forward_plans, key, plan)
     return (out_d.array if out is None else out), (lse_d.array if lse is None else lse)
+
+
+def _pointer_count(opts, packed) -> int:
+    """How many pointer fields a cached call patches: through the option arrays and the lists, through the bias
+    and the mask where either is given, through the packed sequences' offsets for a varlen call."""
+    if packed is not None:
+        return launch.PACKED_POINTERS
+    return launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None else launch.OPTION_POINTERS
 
 
 def attention(q, k, v, *, scale=None, causal=False, deterministic=False, return_lse=False, out=None,
@@ -296,21 +312,9 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
     :func:`backward_workspace` returns (frameworks pass their own memory; default: CuPy's pool).
     """
     try:
-        keys, pointers = [], []
-        for x in (q, k, v, out, lse, dout, dq, dk, dv, dlse):
-            kx, px = array_key(x)
-            keys.append(kx)
-            pointers.append(px)
-        scratch = None
-        if workspace is not None:
-            scratch = {}
-            for name, buffer in workspace.items():
-                kx, scratch[name] = array_key(buffer)
-                keys.append((name, kx))
-        keys.append(_options_key(scale, causal, deterministic))
-        option_key, option_pointers = _score_options_key(options) if options else (None, None)
-        dbias_key, dbias_ptr = array_key(dbias)
-        key = (workspace is None, *keys, option_key, dbias_key, bool(bias_grad))
+        key, pointers, scratch, option_pointers, dbias_ptr = _backward_key(
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, workspace, scale, causal, deterministic, options, dbias,
+            bias_grad)
         plan = _backward_plans.get(key)
     except Exception:  # an array (or option) the keys cannot read: the validating path names it
         key = plan = None
@@ -320,11 +324,34 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, scale=None, causal
                      stream, options, key, dbias, bias_grad=bias_grad)
 
 
+def _backward_key(dout, q, k, v, out, lse, dlse, dq, dk, dv, workspace, scale, causal, deterministic, options,
+                  dbias=None, bias_grad=True) -> tuple:
+    """``(key, pointers of q, k, v, out, lse, dout, dq, dk, dv, dlse, the workspace's pointers by name or None,
+    option pointers, dbias pointer)`` of a backward call; raises (anything) for what the keys cannot read."""
+    keys, pointers = [], []
+    for x in (q, k, v, out, lse, dout, dq, dk, dv, dlse):
+        kx, px = array_key(x)
+        keys.append(kx)
+        pointers.append(px)
+    scratch = None
+    if workspace is not None:
+        scratch = {}
+        for name, buffer in workspace.items():
+            kx, scratch[name] = array_key(buffer)
+            keys.append((name, kx))
+    keys.append(_options_key(scale, causal, deterministic))
+    option_key, option_pointers = _score_options_key(options) if options else (None, None)
+    dbias_key, dbias_ptr = array_key(dbias)
+    key = (workspace is None, *keys, option_key, dbias_key, bool(bias_grad))
+    return key, pointers, scratch, option_pointers, dbias_ptr
+
+
 def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, stream, option_pointers=None,
-                  dbias=None, dbias_ptr=0, lse=None, dlse=None):
+                  dbias=None, dbias_ptr=0, lse=None, dlse=None, packed=None):
     """A cached backward. ``pointers``: q, k, v, out, lse, dout, dq, dk, dv, dlse (0 where absent);
     ``scratch``: the workspace's pointers by name, or None to carve one CuPy allocation;
-    ``option_pointers``: the score options' arrays (None without options). A plan with a bias takes
+    ``option_pointers``: the score options' arrays (None without options); ``packed``: the packed sequences'
+    offsets (cu_seqlens_q, cu_seqlens_k pointers). A plan with a bias takes
     ``dbias`` (its pointer ``dbias_ptr``) or allocates one like the validating call did: a full-shape bias's
     dK/dV kernels store each element once (zeroed first where a mask skips tiles); a broadcast one's sum
     into a fresh zeroed fp32 accumulator (or an fp32 dbias itself), converted into dbias after the launch."""
@@ -365,6 +392,10 @@ def _hit_backward(plan: launch.CallPlan, pointers: list, scratch, dq, dk, dv, st
         block += (*option_pointers[:5], *scratch_pointers[5:])
         if len(option_pointers) > 5:  # bias, dbias, dbias_accum, bool mask
             block += (option_pointers[5][0], dbias_ptr, accum_ptr, option_pointers[5][1])
+    elif packed is not None:  # the general mask's lists, which packed calls run without options too
+        block += (0,) * 5 + tuple(scratch_pointers[5:])
+    if packed is not None:
+        block += (0,) * (launch.BIAS_MASK_POINTERS - len(block)) + tuple(packed)
     stream_ptr = _stream_ptr(stream)
     plan.launch(block, stream_ptr)
     del owner
@@ -419,9 +450,8 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, d
             outputs = ((qd.shape, np_dtype), (kd.shape, np_dtype), (vd.shape, np_dtype))
             pointers = (qd.ptr, kd.ptr, vd.ptr, out_d.ptr, lse_d.ptr, dout_d.ptr, dq_d.ptr, dk_d.ptr, dv_d.ptr,
                         *(scratch.get(field, 0) for field in _SCRATCH_FIELDS[:5]), 0 if dlse_d is None else dlse_d.ptr)
-            if options:  # the hit path patches the option arrays and the lists as well (all of them: bias)
-                count = (launch.BIAS_MASK_POINTERS if opts.bias is not None or opts.mask is not None
-                         else launch.OPTION_POINTERS)
+            if options or packed is not None:  # the hit path patches the option arrays and the lists as well
+                count = _pointer_count(opts, packed)
                 pointers += tuple(int(params[0][field])
                                   for field in launch.POINTER_FIELDS[launch.PLAIN_POINTERS:count])
             qkv = None if packed is not None else tuple((t.shape, t.strides, t.itemsize)

@@ -224,7 +224,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, k_new=None, 
     except Exception:  # an argument the keys cannot read (host lengths, an int): the validating path
         key = cached = None
     if cached is not None and launch.current_device() == cached.call.device:
-        out, lse = _hit(cached, pointers, out, lse, stream)
+        out, lse = _hit(cached, pointers, out, lse, stream, carve=workspace is None)
         return (out, lse) if return_lse else out
     _reject_options(options)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):  # before touching CUDA
@@ -243,7 +243,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, k_new=None, 
         lse_d = _buffer(lse, "lse", validation.lse_shape(shape), "float32", call.device, rows_only=True)
         if shape.batch and shape.num_heads_k:
             plan = _launch(call, scale, out_d, lse_d, workspace, stream)
-            if key is not None and not switched and workspace is None:
+            if key is not None and not switched:
                 from .api import _remember
 
                 _remember(_plans, key, plan)
@@ -256,12 +256,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, k_new=None, 
 # ---------------------------------------------------------------------------------------------------------
 # Host time. A decoding loop calls with the same shapes every step: the first call with a key (every array's
 # type, shape, strides, dtype, device and alignment; the options' values) validates, plans and packs the
-# parameter block; a later one patches the arrays' pointers in and launches (cuflash.api does the same). Calls
-# with host lengths or tables, or a workspace, always validate.
+# parameter block; a later one patches the arrays' pointers in (a workspace's too) and launches (cuflash.api does
+# the same). Calls with host lengths or tables always validate.
 
 _plans: dict = {}
 #: The pointer fields a call patches, by argument, in launch.POINTER_FIELDS order.
 _FIELD_INDEX = {name: i for i, name in enumerate(launch.POINTER_FIELDS)}
+#: The split-KV buffers a workspace holds (kvcache_workspace's names, pointer fields of their own).
+_WORKSPACE_FIELDS = ("o_accum", "lse_accum")
 
 
 class _Cached:
@@ -279,7 +281,7 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num
     """``(key, {pointer field: pointer})``; raises for anything the key does not cover."""
     from .api import _options_key, _score_options_key
 
-    if workspace is not None or not set(options) <= set(OPTIONS):
+    if not set(options) <= set(OPTIONS):
         raise KeyError("not cached")
     keys, pointers = [], {}
     for field, x in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse),
@@ -292,19 +294,31 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num
         raise KeyError("lengths and tables given as host data are checked and copied every call")
     option_key, option_pointers = _score_options_key(options) if options else (None, [0] * 5)
     pointers["alibi_slopes"] = option_pointers[4]
-    key = (*keys, option_key, _options_key(scale, causal), type(num_splits), num_splits)
+    workspace_key = None
+    if workspace is not None:  # the split-KV buffers, patched like the arrays (other names: validated every call)
+        if type(workspace) is not dict or not set(workspace) <= set(_WORKSPACE_FIELDS):
+            raise KeyError("not cached")
+        workspace_key = []
+        for name in sorted(workspace):
+            kx, pointers[name] = array_key(workspace[name])
+            workspace_key.append((name, kx))
+        workspace_key = tuple(workspace_key)
+    key = (*keys, option_key, _options_key(scale, causal), type(num_splits), num_splits, workspace_key)
     return key, pointers
 
 
-def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
+def _hit(cached: _Cached, given: dict, out, lse, stream, carve: bool = True) -> tuple:
+    """A cached call: patch the given arrays' pointers in, allocate the outputs not given and (``carve``: no
+    workspace given) the split-KV buffers, launch."""
     from .api import _allocate, _stream_ptr
 
     call = cached.call
     pointers = list(cached.pointers)
     for field, ptr in given.items():
         pointers[_FIELD_INDEX[field]] = ptr
+    carve = carve and call.scratch_bytes
     specs = [spec for spec, buffer in zip(call.outputs, (out, lse)) if buffer is None]
-    if call.scratch_bytes:
+    if carve:
         specs.append(((call.scratch_bytes,), "uint8"))
     made = _allocate(specs, stream)
     if out is None:
@@ -313,7 +327,7 @@ def _hit(cached: _Cached, given: dict, out, lse, stream) -> tuple:
     if lse is None:
         lse = made.pop(0)
         pointers[_FIELD_INDEX["lse"]] = lse.data.ptr
-    if call.scratch_bytes:
+    if carve:
         for (field, _), offset in zip(call.scratch, call.scratch_offsets):
             pointers[_FIELD_INDEX[field]] = made[0].data.ptr + offset
     call.launch(pointers, _stream_ptr(stream))

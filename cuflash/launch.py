@@ -161,9 +161,10 @@ POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum
 #: How many of them a call without score options patches (the rest stay null).
 PLAIN_POINTERS = 15
 #: How many a cached call with score options patches; a call with a bias or a bool mask packs BIAS_MASK_POINTERS
-#: (through ``mask``). The packed-sequence offsets after them are never cached (the varlen calls validate every call).
+#: (through ``mask``), a varlen call PACKED_POINTERS (through the packed sequences' offsets).
 OPTION_POINTERS = 22
 BIAS_MASK_POINTERS = 26
+PACKED_POINTERS = 28
 #: The bias's index among the pointer fields.
 _BIAS_POINTER = POINTER_FIELDS.index("bias")
 #: Every launch passes two parameters: the AttnParams block and the kernels' TmaParams (cuda_src/cuflash/

@@ -20,7 +20,7 @@ import numbers
 import numpy as np
 
 from . import validation
-from .arrays import TensorDesc, describe, require_cuda
+from .arrays import TensorDesc, array_key, describe, require_cuda
 
 #: Options the varlen entry points refuse: they index a (B, ..., Sq, Sk) batch, which packed rows do not have.
 UNSUPPORTED_OPTIONS = ("bias", "mask", "segment_ids", "block_ids")
@@ -179,10 +179,19 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     :func:`cuflash.attention_forward`. Rows outside every sequence get out 0 and lse -inf. ``bias``,
     ``mask``, ``segment_ids`` and ``block_ids`` are refused (they index a padded batch).
     """
-    from . import api
+    from . import api, launch
 
+    try:
+        packed_key, offsets = _packed_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        key, pointers, option_pointers = api._forward_key(q, k, v, out, lse, scale, causal, options)
+        key = (*key, packed_key)
+        plan = api._forward_plans.get(key)
+    except Exception:  # what the keys do not cover (host offsets, no longest lengths): the validating path
+        key = plan = None
+    if plan is not None and launch.current_device() == plan.device:
+        return api._hit_forward(plan, pointers, out, lse, stream, option_pointers, packed=offsets)
     packed = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return api._forward(q, k, v, scale, causal, out, lse, stream, options, None, packed=packed)
+    return api._forward(q, k, v, scale, causal, out, lse, stream, options, key, packed=packed)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
@@ -204,11 +213,33 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     ``deterministic=True``: bit-identical across runs. ``workspace``: see
     :func:`varlen_backward_workspace`.
     """
-    from . import api
+    from . import api, launch
 
+    try:
+        packed_key, offsets = _packed_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        key, pointers, scratch, option_pointers, _ = api._backward_key(
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, workspace, scale, causal, deterministic, options)
+        key = (*key, packed_key)
+        plan = api._backward_plans.get(key)
+    except Exception:  # what the keys do not cover (host offsets, no longest lengths): the validating path
+        key = plan = None
+    if plan is not None and launch.current_device() == plan.device:
+        return api._hit_backward(plan, pointers, scratch, dq, dk, dv, stream, option_pointers, packed=offsets)
     packed = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return api._backward(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, workspace,
-                         stream, options, None, packed=packed)
+                         stream, options, key, packed=packed)
+
+
+def _packed_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """``(key, (cu_seqlens_q pointer, cu_seqlens_k pointer))`` of a varlen call's packed part. Only offsets on the
+    GPU with both longest lengths given are cached: the shape then follows from metadata alone, as for a batched
+    call (host offsets are checked and copied, and a missing length is read from the offsets, every call).
+    Raises otherwise."""
+    if max_seqlen_q is None or max_seqlen_k is None or not (_on_gpu(cu_seqlens_q) and _on_gpu(cu_seqlens_k)):
+        raise KeyError("validated every call")
+    (kq, pq), (kk, pk) = array_key(cu_seqlens_q), array_key(cu_seqlens_k)
+    lengths = (_max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k"))
+    return ("packed", kq, kk, *lengths), (pq, pk)
 
 
 def _meta_shape(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal: bool, options: dict):

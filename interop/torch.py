@@ -244,10 +244,7 @@ def _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options, bias_grad: bool =
         named["dbias"] = grads[3]
     elif "bias" in options:
         named["bias_grad"] = False
-    workspace = {
-        name: torch.empty(shape, dtype=torch.float32, device=q.device)
-        for name, shape in _workspace_shapes(q, k, v, op_options, options).items()
-    }
+    workspace = _backward_workspace(q, k, v, op_options, options)
     _launch(
         cuflash.attention_backward, dout, q, k, v, out, lse,
         dlse=dlse, workspace=workspace, **named, **options,
@@ -343,8 +340,8 @@ class _EagerAttention(torch.autograd.Function):
 _WORKSPACE_SHAPES: dict = {}
 
 
-def _workspace_shapes(q, k, v, op_options, options) -> dict:
-    """``cuflash.backward_workspace`` for these shapes and options, computed once per key."""
+def _backward_workspace(q, k, v, op_options, options) -> dict:
+    """The backward's workspace: ``cuflash.backward_workspace``'s buffers for these shapes and options."""
     if not any(isinstance(x, torch.Tensor) for x in op_options):
         key = (q.shape, k.shape, v.shape, q.dtype, q.device, op_options)
     else:
@@ -352,15 +349,21 @@ def _workspace_shapes(q, k, v, op_options, options) -> dict:
             q.shape, k.shape, v.shape, q.dtype, q.device,
             tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options),
         )
-    shapes = _WORKSPACE_SHAPES.get(key)
+    return _workspace(_WORKSPACE_SHAPES, key, q.device, lambda: cuflash.backward_workspace(q, k, v, **options))
+
+
+def _workspace(cache: dict, key, device, find) -> dict:
+    """float32 buffers from torch's allocator with the shapes ``find()`` gives (a core ``*_workspace`` call,
+    run once per ``key``: its shapes follow the architecture of ``device``)."""
+    shapes = cache.get(key)
     if shapes is None:
-        if q.device.type == "cuda":
-            with cupy.cuda.Device(q.device.index):  # the shapes follow the architecture of the tensors' GPU
-                found = cuflash.backward_workspace(q, k, v, **options)
-        else:
-            found = cuflash.backward_workspace(q, k, v, **options)
-        shapes = _WORKSPACE_SHAPES[key] = {name: tuple(shape) for name, shape in found.items()}
-    return shapes
+        if device.type == "cuda":
+            with cupy.cuda.Device(device.index):
+                found = find()
+        else:  # tests: a NumPy core on CPU tensors
+            found = find()
+        shapes = cache[key] = {name: tuple(shape) for name, shape in found.items()}
+    return {name: torch.empty(shape, dtype=torch.float32, device=device) for name, shape in shapes.items()}
 
 
 def _launch(core_fn, *args, **kwargs):
@@ -369,7 +372,7 @@ def _launch(core_fn, *args, **kwargs):
     whose shapes, strides, dtypes and options it has seen before only patches pointers and launches."""
     device = args[0].device  # every tensor shares one device; the core checks
     if device.type != "cuda":  # the core names the problem (tests hand a NumPy core CPU tensors)
-        args = [a.detach() if a.requires_grad else a for a in args]
+        args = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
         kwargs = {n: a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a
                   for n, a in kwargs.items()}
         core_fn(*args, **kwargs)
@@ -430,8 +433,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
       ``out (total_q, heads, head_dim_v)`` in q's dtype (contiguous), or ``(out, lse)``.
     """
     left, right = (None, None) if window is None else window
-    out, lse = _VARLEN_FORWARD(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                               bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left,
+            right, softcap, alibi_slopes, bool(deterministic))
+    if not _eager(q):
+        out, lse = _VARLEN_FORWARD(*args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _EagerVarlen.apply(*args)  # as attention(): the ops' formula without their dispatch layer
+    else:
+        out, lse = _varlen_fwd(*args)
     return (out, lse) if return_lse else out
 
 
@@ -470,12 +479,8 @@ def _varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, *op_opt
     dq, dk, dv = _varlen_grads(q, k, v)
     key = (q.shape, k.shape, v.shape, q.dtype, q.device, cu_q.shape, max_q, max_k,
            tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x for x in op_options))
-    shapes = _WORKSPACE_SHAPES.get(key)
-    if shapes is None:
-        with cupy.cuda.Device(q.device.index):
-            found = cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, max_q, max_k, **options)
-        shapes = _WORKSPACE_SHAPES[key] = {name: tuple(shape) for name, shape in found.items()}
-    workspace = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+    workspace = _workspace(_WORKSPACE_SHAPES, key, q.device,
+                           lambda: cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, max_q, max_k, **options))
     _launch(cuflash.varlen_attention_backward, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dlse=dlse,
             dq=dq, dk=dk, dv=dv, workspace=workspace, **options)
     return [dq, dk, dv]
@@ -501,16 +506,34 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, dlse):
+    return _varlen_backward_with(_VARLEN_BACKWARD, ctx, dout, dlse)
+
+
+def _varlen_backward_with(backward_fn, ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
     op_options = list(ctx.op_options)
     op_options[_VARLEN_NAMES.index("alibi_slopes")] = alibi
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.contiguous()
-    dq, dk, dv = _VARLEN_BACKWARD(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths, *op_options)
+    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths, *op_options)
     return (dq, dk, dv, None, None, None, None, *(None for _ in op_options))
 
 
 _varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """The eager varlen path (see ``_eager``), as ``_EagerAttention`` is for the batched one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, *op_options):
+        out, lse = _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, *op_options)
+        _varlen_setup_context(ctx, (q, k, v, cu_q, cu_k, max_q, max_k, *op_options), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _varlen_backward_with(_varlen_bwd, ctx, dout, dlse)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -535,10 +558,22 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     left, right = (None, None) if window is None else window
-    out, lse = _KVCACHE(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                        None if num_splits is None else int(num_splits), scale, bool(causal), left, right, softcap,
-                        alibi_slopes)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+            None if num_splits is None else int(num_splits), scale, bool(causal), left, right, softcap, alibi_slopes)
+    if _eager(q) and not (torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k_cache, v_cache, k_new, v_new))):
+        # A decoding step's host time: the op's dispatch layer costs ~3x the call itself. The op declares
+        # k_cache / v_cache mutated, and its dispatch bumps their version counters (so autograd notices a
+        # saved cache changed): do the same.
+        out, lse = _kvcache_op(*args)
+        _increment_version((k_cache, v_cache))
+    else:
+        out, lse = _KVCACHE(*args)
     return (out, lse) if return_lse else out
+
+
+_increment_version = getattr(getattr(torch.autograd, "graph", None), "increment_version", None) or (
+    lambda tensors: [torch._C._increment_version(t) for t in tensors])
 
 
 _KVCACHE_WORKSPACE: dict = {}
@@ -559,13 +594,8 @@ def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, n
         options["window"] = (window_left, window_right)
     key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, q.device, None if block_table is None else block_table.shape,
            num_splits, tuple(sorted(options)))
-    shapes = _KVCACHE_WORKSPACE.get(key)
-    if shapes is None:
-        with cupy.cuda.Device(q.device.index):
-            found = cuflash.kvcache_workspace(q, k_cache, v_cache, block_table=block_table, num_splits=num_splits,
-                                              **options)
-        shapes = _KVCACHE_WORKSPACE[key] = {name: tuple(shape) for name, shape in found.items()}
-    workspace = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+    workspace = _workspace(_KVCACHE_WORKSPACE, key, q.device, lambda: cuflash.kvcache_workspace(
+        q, k_cache, v_cache, block_table=block_table, num_splits=num_splits, **options))
     _launch(cuflash.attention_with_kvcache, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
             num_splits=num_splits, scale=scale, causal=causal, out=out, lse=lse, workspace=workspace or None,
             **options)

@@ -929,3 +929,116 @@ def test_torch_options_under_compile_and_opcheck(cft, torch_core):
         out, lse = cft.attention(q, k, v, return_lse=True, **options)
     torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, *op_options))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch: the eager varlen and KV-cache paths (no custom-op dispatch) against the ops' path
+
+
+class FakeVarlenCore:
+    """cuflash's varlen entry points on CPU tensors, computed with the float64 reference; ``calls`` logs them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def varlen_backward_workspace(self, q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        return {"dq_accum": (q.shape[0], q.shape[1], q.shape[2])}
+
+    def varlen_attention_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, out, lse, stream=None,
+                                 deterministic=False, **options):
+        self.calls.append("forward")
+        o, l = reference.varlen_attention_forward(_f64(q), _f64(k), _f64(v), _np(cu_q), _np(cu_k), max_seqlen_q=max_q,
+                                                  max_seqlen_k=max_k, **options)
+        _np(out)[...] = o
+        _np(lse)[...] = l
+
+    def varlen_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse=None, dq, dk, dv,
+                                  workspace, stream=None, deterministic=False, **options):
+        self.calls.append("backward")
+        assert {n: tuple(w.shape) for n, w in workspace.items()} == {"dq_accum": tuple(q.shape)}
+        grads = reference.varlen_attention_backward(_f64(dout), _f64(q), _f64(k), _f64(v), _np(cu_q), _np(cu_k),
+                                                    dlse=_f64(dlse), max_seqlen_q=max_q, max_seqlen_k=max_k, **options)
+        for buffer, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+            _np(buffer)[...] = grads[name]
+
+
+def test_torch_varlen_eager_path_skips_the_op_dispatch(cft, monkeypatch):
+    """An eager varlen call runs the ops' implementations through an autograd.Function (no custom-op dispatch,
+    which costs ~3x the adapter's own host time): gradients as the float64 reference's and as the ops' path's
+    (under torch.compile), the op itself never called eagerly; without grad, no autograd node at all."""
+    import torch
+
+    core = FakeVarlenCore()
+    for name in ("varlen_backward_workspace", "varlen_attention_forward", "varlen_attention_backward"):
+        monkeypatch.setattr(cuflash, name, getattr(core, name))
+    monkeypatch.setattr(cft, "_WORKSPACE_SHAPES", {})
+    g = torch.Generator().manual_seed(3)
+    cu_q, cu_k = torch.tensor([0, 5, 5, 12], dtype=torch.int32), torch.tensor([0, 7, 9, 13], dtype=torch.int32)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64).float().requires_grad_()
+               for shape in ((12, 4, 8), (13, 2, 8), (13, 2, 16)))
+    w = torch.randn((12, 4, 16), generator=g)
+    options = dict(causal=True, window=(4, None), softcap=3.0)
+
+    def step(q, k, v):
+        out, lse = cft.varlen_attention(q, k, v, cu_q, cu_k, 7, 7, return_lse=True, **options)
+        return (out * w).sum() + lse.sum(), out
+
+    dispatched = []
+    real_op = cft._VARLEN_FORWARD
+    monkeypatch.setattr(cft, "_VARLEN_FORWARD", lambda *a: dispatched.append(1) or real_op(*a))
+    loss, out = step(q, k, v)
+    loss.backward()
+    assert not dispatched and type(out.grad_fn).__name__ == "_EagerVarlenBackward"
+    assert core.calls == ["forward", "backward"]
+    ref_out, _ = reference.varlen_attention_forward(*(_f64(x) for x in (q, k, v)), cu_q.numpy(), cu_k.numpy(),
+                                                    **options)
+    ref = reference.varlen_attention_backward(w.double().numpy(), *(_f64(x) for x in (q, k, v)), cu_q.numpy(),
+                                              cu_k.numpy(), dlse=np.ones((4, 12)), **options)
+    torch.testing.assert_close(out.double(), torch.from_numpy(ref_out), rtol=1e-5, atol=1e-5)
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x, name in zip((q, k, v), ("dq", "dk", "dv")):
+        torch.testing.assert_close(x.grad.double(), torch.from_numpy(ref[name]), rtol=1e-5, atol=1e-5)
+        x.grad = None
+
+    loss_c, out_c = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss_c.backward()
+    assert dispatched  # traced through the op
+    torch.testing.assert_close(out_c, out)
+    for x, grad in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, grad)
+
+    with torch.no_grad():
+        plain = cft.varlen_attention(q, k, v, cu_q, cu_k, 7, 7, **options)
+    assert plain.grad_fn is None and torch.equal(plain, out.detach())
+
+
+def test_torch_kvcache_eager_path_bumps_the_caches_versions(cft, monkeypatch):
+    """An eager KV-cache call runs the op's implementation directly and, as the op's dispatch would, bumps the
+    caches' version counters (autograd then refuses a backward through a cache it saved before the append);
+    inputs that require grad go through the op."""
+    import torch
+
+    calls = []
+
+    def fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, out, lse, **kwargs):
+        calls.append(kwargs.get("causal"))
+        out.fill_(1.0)
+        lse.fill_(0.0)
+
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", fake)
+    monkeypatch.setattr(cuflash, "kvcache_workspace", lambda *a, **kw: {})
+    monkeypatch.setattr(cft, "_KVCACHE_WORKSPACE", {})
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+    dispatched = []
+    real_op = cft._KVCACHE
+    monkeypatch.setattr(cft, "_KVCACHE", lambda *a: dispatched.append(1) or real_op(*a))
+
+    versions = (k_cache._version, v_cache._version)
+    out = cft.attention_with_kvcache(q, k_cache, v_cache, lengths, causal=True)
+    assert calls == [True] and not dispatched and bool((out == 1).all())
+    assert (k_cache._version, v_cache._version) == (versions[0] + 1, versions[1] + 1)
+
+    cft.attention_with_kvcache(q.requires_grad_(), k_cache, v_cache, lengths, causal=True)
+    assert dispatched and calls == [True, True]

@@ -330,3 +330,41 @@ def test_host_lengths_are_never_cached(gpu, monkeypatch):
     with pytest.raises(ValueError, match="cache_seqlens"):
         cuflash.attention_with_kvcache(q, k, v, [3, 200])
     assert not cuflash.kvcache._plans
+
+
+def test_a_repeated_call_with_a_workspace_is_cached(gpu):
+    """A decoding step that passes its split-KV buffers (as the torch adapter does) skips validation from the
+    second call on: the given buffers' pointers patched in, nothing carved; a workspace missing a buffer, or
+    holding one of another shape, is validated (and refused) every call; unknown names are never cached."""
+    B, H, Hkv, D, L = 1, 32, 8, 128, 65536
+    q = gpu.array((B, 1, H, D), BF16)
+    k, v, _ = _cache(gpu, B, L, Hkv, D)
+    shapes = cuflash.kvcache_workspace(q, k, v, causal=True)
+    make = lambda: {name: gpu.array(shape, np.float32) for name, shape in shapes.items()}  # noqa: E731
+    cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), causal=True, workspace=make())
+    first = [record(launch[5]) for launch in gpu.launches]
+    gpu.launches.clear()
+    workspace, q2 = make(), gpu.array((B, 1, H, D), BF16)
+    validate = cuflash.kvcache.KvCall
+    try:
+        cuflash.kvcache.KvCall = None  # a hit must not validate
+        cuflash.attention_with_kvcache(q2, k, v, gpu.array((B,), np.int32), causal=True, workspace=workspace)
+    finally:
+        cuflash.kvcache.KvCall = validate
+    second = [record(launch[5]) for launch in gpu.launches]
+    assert len(second) == len(first) == 2  # attention (split), combine
+    for a, b in zip(first, second):
+        assert (b["o_accum"], b["lse_accum"]) == (workspace["o_accum"].data.ptr, workspace["lse_accum"].data.ptr)
+        assert b["q"] == q2.data.ptr
+        for name in params_dtype().names:
+            if name not in ("q", "o", "lse", "cache_seqlens", "o_accum", "lse_accum"):
+                assert a[name] == b[name], name
+    with pytest.raises(ValueError, match="workspace lacks"):
+        cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), causal=True,
+                                       workspace={"o_accum": workspace["o_accum"]})
+    bad = dict(workspace, lse_accum=gpu.array((1,) + tuple(shapes["lse_accum"]), np.float32))
+    with pytest.raises(ValueError, match="lse_accum"):
+        cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), causal=True, workspace=bad)
+    plans_before = len(cuflash.kvcache._plans)
+    cuflash.attention_with_kvcache(q, k, v, gpu.array((B,), np.int32), causal=True, workspace=dict(workspace, extra=q))
+    assert len(cuflash.kvcache._plans) == plans_before

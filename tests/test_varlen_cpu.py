@@ -135,3 +135,114 @@ def test_packed_backward_scratch_drops_the_batch_dim(gpu):
     assert last[1] == (kernels.varlen_tails.GRID, 1, 1)
     p = record(last[5])
     assert (p["dlse_batch_stride"], p["total_q"], p["total_k"]) == (0, 50, 70)  # no dlse given
+
+
+# ------------------------------------------------------------------------------------------------
+# Repeated packed calls: cached like batched ones (offsets on the GPU, both longest lengths given)
+
+
+@pytest.fixture
+def packed_checks(monkeypatch):
+    """Counts the validating path's checks of the packed arguments."""
+    count = [0]
+    original = varlen.PackedSequences.check
+
+    def counting(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(varlen.PackedSequences, "check", counting)
+    return count
+
+
+def _packed_call(gpu, entry, arrays, **options):
+    q, k, v, cu_q, cu_k = arrays
+    if entry == "forward":
+        return cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 30, 41, causal=True, **options)
+    out, lse = gpu.array((50, 4, 64), BF16), gpu.array((4, 50), np.float32)
+    return cuflash.varlen_attention_backward(gpu.array((50, 4, 64), BF16), q, k, v, out, lse, cu_q, cu_k, 30, 41,
+                                             causal=True, **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"window": (7, None), "softcap": 5.0, "alibi": True}],
+                         ids=["causal", "window-softcap-alibi"])
+@pytest.mark.parametrize("entry", ["forward", "backward"])
+def test_repeated_packed_calls_skip_validation_and_patch_every_pointer(gpu, packed_checks, entry, options):
+    """The second call with the same key (other memory, offsets included) is not validated again: every kernel
+    launches as the first call's did, with the new arrays' pointers, the new offsets and freshly carved block
+    lists; a call that changes what a check reads (a longest length, an option) is validated again."""
+    from fake_gpu import pointers_of
+
+    def opts():
+        made = {n: v for n, v in options.items() if n != "alibi"}
+        if options.get("alibi"):
+            made["alibi_slopes"] = gpu.array((4,), np.float32)
+        return made
+
+    first_arrays, first_opts = packed(gpu), opts()
+    _packed_call(gpu, entry, first_arrays, **first_opts)
+    first = list(gpu.launches)
+    assert packed_checks[0] == 1
+    arrays, again_opts = packed(gpu), opts()  # the same key, other memory
+    _packed_call(gpu, entry, arrays, **again_opts)
+    assert packed_checks[0] == 1, "a cache hit validated again"
+    second = gpu.launches[len(first):]
+    assert [l[:5] for l in second] == [l[:5] for l in first]
+    names = params_dtype().names
+    for a, b in zip(first, second):
+        ra, rb = record(a[5]), record(b[5])
+        assert [n for n in names if ra[n] != rb[n]] and all(
+            ra[n] == rb[n] for n in names if n not in launch_pointer_fields()), "only pointers differ"
+    ptrs = pointers_of(second[-1][5])
+    q, k, v, cu_q, cu_k = arrays
+    assert (ptrs["q"], ptrs["k"], ptrs["v"]) == (q.data.ptr, k.data.ptr, v.data.ptr)
+    assert (ptrs["cu_seqlens_q"], ptrs["cu_seqlens_k"]) == (cu_q.data.ptr, cu_k.data.ptr)
+    if "alibi_slopes" in again_opts:
+        assert ptrs["alibi_slopes"] == again_opts["alibi_slopes"].data.ptr
+    lists = "kv_blocks" if entry == "forward" else "q_blocks"
+    assert ptrs[lists] not in (0, pointers_of(first[-1][5])[lists])  # carved for this call
+    for launch_ in second:  # every kernel of the call reads the same block
+        assert pointers_of(launch_[5])["cu_seqlens_q"] == cu_q.data.ptr
+
+    # What a check reads misses the cache: another longest length, another option.
+    q, k, v, cu_q, cu_k = arrays
+    if entry == "forward":
+        cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 31, 41, causal=True, **again_opts)
+    else:
+        _packed_call(gpu, entry, arrays, **dict(again_opts, softcap=6.0))
+    assert packed_checks[0] == 2
+    with pytest.raises(ValueError, match="max_seqlen_q must be >= 0"):
+        cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, -1, 41, causal=True, **again_opts)
+
+
+def launch_pointer_fields():
+    from cuflash import launch
+
+    return launch.POINTER_FIELDS
+
+
+def test_packed_calls_without_longest_lengths_or_with_host_offsets_are_validated_every_call(gpu, packed_checks,
+                                                                                          monkeypatch):
+    import cupy
+
+    q, k, v, _, _ = packed(gpu, tq=10, tk=12, batch=2)
+    monkeypatch.setattr(cupy, "asarray", lambda host: gpu.array(np.shape(host), np.int32))
+
+    class NoDeviceSwitch:  # the host offsets' copy enters a device scope a machine without a GPU lacks
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cupy.cuda, "Device", NoDeviceSwitch)
+    for _ in range(2):
+        cuflash.varlen_attention_forward(q, k, v, np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32),
+                                         8, 8, causal=True)
+    assert packed_checks[0] == 2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cuflash.varlen_attention_forward(q, k, v, np.array([0, 6, 4], np.int32), np.array([0, 5, 12], np.int32),
+                                         8, 8, causal=True)

@@ -288,3 +288,32 @@ def test_varlen_workspace_matches_the_call():
                                                 deterministic=True)
     for a, b in zip(with_ws, without):
         assert gu.bit_identical(a, b)
+
+
+@pytest.mark.parametrize("window", [None, (40, 8)])
+def test_a_cached_call_reads_its_own_offsets(window, monkeypatch):
+    """Calls with one key (shapes, dtypes and longest lengths; offsets on the GPU) after the first are cache hits
+    that skip validation: each must read its own offsets, arrays and freshly carved block lists. Three calls,
+    the offsets permuted (same totals and maxima), each held to the float64 reference."""
+    from cuflash import varlen
+
+    checks = [0]
+    original = varlen.PackedSequences.check
+
+    def counting(self, *args, **kwargs):
+        checks[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(varlen.PackedSequences, "check", counting)
+    lens = [((100, 28, 300), (90, 200, 38)), ((300, 100, 28), (38, 90, 200)), ((28, 300, 100), (200, 38, 90))]
+    for i, (lens_q, lens_k) in enumerate(lens):
+        case = Case("bf16", lens_q, lens_k, 4, 2, 64, causal=True, window=window, dlse=True)
+        x = make_packed(case, seed=100 + i)
+        r = run_varlen(case, x)
+        report = gu.Report(f"call {i}")
+        for b in range(len(case.lens_q)):
+            check_sequence(report, case, x, r, b)
+        report.check()
+        if i == 0:
+            after_first = checks[0]
+    assert checks[0] == after_first, "a repeated call validated again instead of hitting its plan"
