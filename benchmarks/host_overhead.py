@@ -79,6 +79,25 @@ def main():
                      per_call_us(lambda extra=extra, o=out_x, l=lse_x: cuflash.attention_backward(dout, *tiny, o, l, **extra),
                                  sync)))
 
+    # Packed sequences (offsets on the GPU, both longest lengths: cached) and a split decoding step with its
+    # workspace (cached, the buffers patched in).
+    packed = [cupy.random.standard_normal((300, 1, 64), dtype=cupy.float32).astype(bf16) for _ in range(3)]
+    cu = cupy.asarray([0, 100, 128, 300], dtype=cupy.int32)
+    p_out, p_lse = cuflash.varlen_attention_forward(*packed, cu, cu, 172, 172, causal=True)
+    rows.append(("cupy  varlen_attention_forward",
+                 per_call_us(lambda: cuflash.varlen_attention_forward(*packed, cu, cu, 172, 172, causal=True), sync)))
+    rows.append(("cupy  varlen_attention_backward",
+                 per_call_us(lambda: cuflash.varlen_attention_backward(packed[0], *packed, p_out, p_lse, cu, cu, 172,
+                                                                       172, causal=True), sync)))
+    kq = cupy.random.standard_normal((1, 1, 32, 128), dtype=cupy.float32).astype(bf16)
+    kc, vc = (cupy.zeros((1, 16384, 8, 128), dtype=bf16) for _ in range(2))
+    lengths = cupy.asarray([16000], dtype=cupy.int32)
+    workspace = {name: cupy.empty(shape, dtype=cupy.float32)
+                 for name, shape in cuflash.kvcache_workspace(kq, kc, vc, causal=True).items()}
+    rows.append(("cupy  attention_with_kvcache(workspace=, split)",
+                 per_call_us(lambda: cuflash.attention_with_kvcache(kq, kc, vc, lengths, causal=True,
+                                                                    workspace=workspace), sync)))
+
     try:
         import jax
         import jax.numpy as jnp
@@ -116,6 +135,16 @@ def main():
             cft.attention(*tg).sum().backward()
 
         rows.append(("torch cft.attention + backward", per_call_us(fwd_bwd, torch.cuda.synchronize)))
+        tp = [torch.from_dlpack(x).clone().requires_grad_() for x in packed]
+        tcu = torch.from_dlpack(cu)
+
+        def varlen_fwd_bwd():
+            cft.varlen_attention(*tp, tcu, tcu, 172, 172, causal=True).sum().backward()
+
+        rows.append(("torch cft.varlen_attention + backward", per_call_us(varlen_fwd_bwd, torch.cuda.synchronize)))
+        tk = [torch.from_dlpack(x) for x in (kq, kc, vc, lengths)]
+        rows.append(("torch cft.attention_with_kvcache (split)",
+                     per_call_us(lambda: cft.attention_with_kvcache(*tk, causal=True), torch.cuda.synchronize)))
     except ImportError as exc:
         rows.append((f"torch (not measured: {exc})", (float("nan"),) * 2))
 

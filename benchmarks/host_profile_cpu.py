@@ -21,6 +21,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "tests")]  # this checkout's cuflash, and the fakes
 
 import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
 from fake_gpu import FakeGPU  # noqa: E402
@@ -59,6 +60,21 @@ def main():
             lambda: cuflash.attention_forward(q, k, v, out=out, lse=lse, stream=stream),
         "attention_backward": lambda: cuflash.attention_backward(dout, q, k, v, out, lse),
     }
+    # Packed sequences (offsets on the GPU, both longest lengths given: cached) and a split decoding step that
+    # passes its workspace, as the torch adapter does (cached, the buffers patched in).
+    pq, pk, pv, pdo = (gpu.array((300, 4, 64), bf16) for _ in range(4))
+    cu = gpu.array((4,), np.int32)
+    pout, plse = cuflash.varlen_attention_forward(pq, pk, pv, cu, cu, 128, 128, causal=True)
+    calls["varlen_attention_forward"] = lambda: cuflash.varlen_attention_forward(pq, pk, pv, cu, cu, 128, 128,
+                                                                                 causal=True, out=pout, lse=plse)
+    calls["varlen_attention_backward"] = lambda: cuflash.varlen_attention_backward(pdo, pq, pk, pv, pout, plse, cu,
+                                                                                   cu, 128, 128, causal=True)
+    dq_, kc, vc = gpu.array((1, 1, 32, 128), bf16), gpu.array((1, 65536, 8, 128), bf16), gpu.array((1, 65536, 8, 128), bf16)
+    lengths = gpu.array((1,), np.int32)
+    workspace = {name: gpu.array(shape, np.float32)
+                 for name, shape in cuflash.kvcache_workspace(dq_, kc, vc, causal=True).items()}
+    calls["attention_with_kvcache(workspace=, split)"] = lambda: cuflash.attention_with_kvcache(
+        dq_, kc, vc, lengths, causal=True, workspace=workspace)
     print(f"{'core entry point (fake GPU: Python time only)':<52} median µs/call")
     for name, fn in calls.items():
         print(f"{name:<52} {median_us(fn):10.1f}")
