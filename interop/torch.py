@@ -120,7 +120,11 @@ def attention(q, k, v, *, return_lse: bool = False, **options):
     if not _eager(q):
         out, lse = _FORWARD(q, k, v, *op_options)
     elif _records_grad(q, k, v, op_options):
-        out, lse = _EagerAttention.apply(q, k, v, *op_options)
+        if op_options is _DEFAULT_OP_OPTIONS:
+            out, lse = _EagerAttention.apply(q, k, v, op_options, ())
+        else:  # the tensor options given ride as inputs of their own (the bias's gradient, saved-tensor checks)
+            slots = tuple(i for i in _TENSOR_SLOTS if op_options[i] is not None)
+            out, lse = _EagerAttention.apply(q, k, v, op_options, slots, *(op_options[i] for i in slots))
     else:  # nothing to differentiate: no autograd node (torch.autograd.Function.apply costs ~10 us)
         out, lse = _attention_fwd(q, k, v, *op_options)
     return (out, lse) if return_lse else out
@@ -321,17 +325,35 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The eager path (see ``_eager``): the ops' implementations and autograd formula, without the
-    custom-op dispatch layer."""
+    custom-op dispatch layer. Its inputs: q, k, v, the option tuple, the slots of the tensor options given and
+    those tensors (usually none: an input costs the engine work per call, so the options' 15 slots do not
+    each become one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *op_options):
+    def forward(ctx, q, k, v, op_options, slots, *tensors):
         out, lse = _attention_fwd(q, k, v, *op_options)
-        _setup_context(ctx, (q, k, v, *op_options), (out, lse))
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.op_options, ctx.slots = op_options, slots
+        ctx.set_materialize_grads(False)  # see _setup_context
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward_with(_attention_bwd, ctx, dout, dlse)
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        op_options = ctx.op_options
+        if tensors:
+            op_options = list(op_options)
+            for slot, tensor in zip(ctx.slots, tensors):
+                op_options[slot] = tensor
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = None if dlse is None else dlse.contiguous()
+        bias_at = ctx.slots.index(_BIAS_SLOT) if _BIAS_SLOT in ctx.slots else None
+        bias_grad = bias_at is not None and ctx.needs_input_grad[5 + bias_at]
+        grads = _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options, bias_grad=bias_grad)
+        tensor_grads = [None] * len(tensors)
+        if bias_grad:
+            tensor_grads[bias_at] = grads[3]
+        return grads[0], grads[1], grads[2], None, None, *tensor_grads
 
 
 # ---------------------------------------------------------------------------------------------------------
