@@ -39,6 +39,18 @@ def _on_gpu(x) -> bool:
         return False
 
 
+#: A packed call's grid covers the longest sequence rounded up to a multiple of this many rows (at most the packed
+#: total): steps whose longest lengths differ by less share one cached plan (packed training passes the batch's
+#: longest every step), and the few blocks past a sequence's end return at once (cuda_src/cuflash/seqlen.cuh clamps
+#: each length to the grid's, which is never below the longest).
+LENGTH_GRANULE = 128
+
+
+def _grid_rows(longest: int, total: int) -> int:
+    """The rows a packed side's grid covers: ``longest`` rounded up to LENGTH_GRANULE, at most ``total``."""
+    return min(-(-longest // LENGTH_GRANULE) * LENGTH_GRANULE, total)
+
+
 def _max_seqlen(value, name: str):
     if value is None:
         return None
@@ -152,8 +164,8 @@ class PackedSequences:
         self._sides = (q_side, k_side)
         self.fields = (("cu_seqlens_q", q_side.desc.ptr), ("cu_seqlens_k", k_side.desc.ptr))
         # No sequence is longer than its side's packed rows: a larger max_seqlen only widens the grid.
-        return dataclasses.replace(shape, batch=batch, seqlen_q=min(q_side.longest, total_q),
-                                   seqlen_k=min(k_side.longest, total_k), packed=True, total_q=total_q,
+        return dataclasses.replace(shape, batch=batch, seqlen_q=_grid_rows(q_side.longest, total_q),
+                                   seqlen_k=_grid_rows(k_side.longest, total_k), packed=True, total_q=total_q,
                                    total_k=total_k)
 
 
@@ -239,7 +251,9 @@ def _packed_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple
         raise KeyError("validated every call")
     (kq, pq), (kk, pk) = array_key(cu_seqlens_q), array_key(cu_seqlens_k)
     lengths = (_max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k"))
-    return ("packed", kq, kk, *lengths), (pq, pk)
+    # The grid's rows (what the plan depends on): with the packed totals in the arrays' keys, the rounded lengths
+    # fix them (_grid_rows).
+    return ("packed", kq, kk, *(-(-n // LENGTH_GRANULE) for n in lengths)), (pq, pk)
 
 
 def _meta_shape(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal: bool, options: dict):
@@ -260,8 +274,8 @@ def _meta_shape(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal: bool,
     shape = validation.check_qkv(*(_batch_of_one(t) for t in descs), causal=causal)
     total_q, total_k = descs[0].shape[0], descs[1].shape[0]
     shape = dataclasses.replace(shape, batch=int(cu_seqlens_q.shape[0]) - 1,
-                                seqlen_q=min(_max_seqlen(max_seqlen_q, "max_seqlen_q"), total_q),
-                                seqlen_k=min(_max_seqlen(max_seqlen_k, "max_seqlen_k"), total_k),
+                                seqlen_q=_grid_rows(_max_seqlen(max_seqlen_q, "max_seqlen_q"), total_q),
+                                seqlen_k=_grid_rows(_max_seqlen(max_seqlen_k, "max_seqlen_k"), total_k),
                                 packed=True, total_q=total_q, total_k=total_k)
     return validation.check_score_options(shape, options, api._meta_desc, 0)[0]
 

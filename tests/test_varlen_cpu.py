@@ -110,7 +110,8 @@ def test_packed_forward_addresses_packed_rows(gpu):
     assert lists[1] == (1, 1, 3) and p["window_right"] == 0 and p["window_left"] == 1 << 30  # causal at run time
     assert tails[1] == (kernels.varlen_tails.GRID, 1, 1)
     assert record(tails[5]).tobytes() == p.tobytes()  # the same block: the tails kernel reads the offsets too
-    assert (p["seqlen_q"], p["seqlen_k"], p["batch"], p["total_q"], p["total_k"]) == (30, 41, 3, 50, 70)
+    # the grid's rows: the longest rounded up to varlen.LENGTH_GRANULE, at most the packed total
+    assert (p["seqlen_q"], p["seqlen_k"], p["batch"], p["total_q"], p["total_k"]) == (50, 70, 3, 50, 70)
     assert p["cu_seqlens_q"] == cu_q.data.ptr and p["cu_seqlens_k"] == cu_k.data.ptr
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
         assert p[f"{name}_batch_stride"] == p[f"{name}_row_stride"] == t.strides[0] // t.itemsize
@@ -204,10 +205,11 @@ def test_repeated_packed_calls_skip_validation_and_patch_every_pointer(gpu, pack
     for launch_ in second:  # every kernel of the call reads the same block
         assert pointers_of(launch_[5])["cu_seqlens_q"] == cu_q.data.ptr
 
-    # What a check reads misses the cache: another longest length, another option.
+    # What a check reads misses the cache: a longest length in another granule, another option.
     q, k, v, cu_q, cu_k = arrays
     if entry == "forward":
-        cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 31, 41, causal=True, **again_opts)
+        cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 30 + varlen.LENGTH_GRANULE, 41, causal=True,
+                                         **again_opts)
     else:
         _packed_call(gpu, entry, arrays, **dict(again_opts, softcap=6.0))
     assert packed_checks[0] == 2
@@ -246,3 +248,20 @@ def test_packed_calls_without_longest_lengths_or_with_host_offsets_are_validated
     with pytest.raises(ValueError, match="non-decreasing"):
         cuflash.varlen_attention_forward(q, k, v, np.array([0, 6, 4], np.int32), np.array([0, 5, 12], np.int32),
                                          8, 8, causal=True)
+
+
+def test_longest_lengths_in_one_granule_share_a_plan(gpu, packed_checks):
+    """Packed training passes each batch's longest lengths: those that round up to the same multiple of
+    varlen.LENGTH_GRANULE (the grid's rows) hit one cached plan; the next multiple is a new plan."""
+    q, k, v, cu_q, cu_k = packed(gpu, tq=1000, tk=1000)
+    g = varlen.LENGTH_GRANULE
+    for longest in (2 * g + 1, 3 * g, 2 * g + 77):
+        cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, longest, longest, causal=True)
+    assert packed_checks[0] == 1
+    p = record(gpu.launches[-1][5]) if gpu.launches[-1][1] != (kernels.varlen_tails.GRID, 1, 1) else \
+        record(gpu.launches[-2][5])
+    assert (p["seqlen_q"], p["seqlen_k"]) == (3 * g, 3 * g)
+    cuflash.varlen_attention_forward(q, k, v, cu_q, cu_k, 3 * g + 1, 3 * g, causal=True)
+    assert packed_checks[0] == 2
+    assert cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, 2 * g + 1, 2 * g + 1) == \
+        cuflash.varlen_backward_workspace(q, k, v, cu_q, cu_k, 3 * g, 3 * g)
