@@ -46,9 +46,14 @@ def _on_gpu(x) -> bool:
 LENGTH_GRANULE = 128
 
 
+def _granules(longest: int) -> int:
+    """How many LENGTH_GRANULE rows cover ``longest``."""
+    return -(-longest // LENGTH_GRANULE)
+
+
 def _grid_rows(longest: int, total: int) -> int:
     """The rows a packed side's grid covers: ``longest`` rounded up to LENGTH_GRANULE, at most ``total``."""
-    return min(-(-longest // LENGTH_GRANULE) * LENGTH_GRANULE, total)
+    return min(_granules(longest) * LENGTH_GRANULE, total)
 
 
 def _max_seqlen(value, name: str):
@@ -253,7 +258,7 @@ def _packed_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple
     lengths = (_max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k"))
     # The grid's rows (what the plan depends on): with the packed totals in the arrays' keys, the rounded lengths
     # fix them (_grid_rows).
-    return ("packed", kq, kk, *(-(-n // LENGTH_GRANULE) for n in lengths)), (pq, pk)
+    return ("packed", kq, kk, *(_granules(n) for n in lengths)), (pq, pk)
 
 
 def _meta_shape(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal: bool, options: dict):

@@ -303,14 +303,18 @@ def _backward(ctx, dout, dlse):
     return _backward_with(_BACKWARD, ctx, dout, dlse)
 
 
+def _dense_grads(out, dout, dlse) -> tuple:
+    """The incoming gradients as the backward takes them: autograd may hand an expanded (stride 0) or permuted
+    gradient, as out.sum() does, or None for an output nobody used (dout then zeros: only lse was used)."""
+    return (torch.zeros_like(out) if dout is None else dout.contiguous()), (None if dlse is None else dlse.contiguous())
+
+
 def _backward_with(backward_fn, ctx, dout, dlse):
     q, k, v, out, lse, *tensor_options = ctx.saved_tensors
     op_options = list(ctx.op_options)
     for slot, tensor in zip(_TENSOR_SLOTS, tensor_options):
         op_options[slot] = tensor
-    # Autograd may hand an expanded (stride 0) or permuted gradient, as out.sum() does: make it dense.
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dlse = None if dlse is None else dlse.contiguous()
+    dout, dlse = _dense_grads(out, dout, dlse)
     # A bias nobody differentiates (requires_grad=False: an additive mask) gets no dbias work at all.
     bias_grad = op_options[_BIAS_SLOT] is not None and ctx.needs_input_grad[3 + _BIAS_SLOT]
     grads = backward_fn(dout, q, k, v, out, lse, dlse, *op_options, bias_grad=bias_grad)
@@ -345,8 +349,7 @@ class _EagerAttention(torch.autograd.Function):
             op_options = list(op_options)
             for slot, tensor in zip(ctx.slots, tensors):
                 op_options[slot] = tensor
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dlse = None if dlse is None else dlse.contiguous()
+        dout, dlse = _dense_grads(out, dout, dlse)
         bias_at = ctx.slots.index(_BIAS_SLOT) if _BIAS_SLOT in ctx.slots else None
         bias_grad = bias_at is not None and ctx.needs_input_grad[5 + bias_at]
         grads = _attention_bwd(dout, q, k, v, out, lse, dlse, *op_options, bias_grad=bias_grad)
@@ -535,8 +538,7 @@ def _varlen_backward_with(backward_fn, ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
     op_options = list(ctx.op_options)
     op_options[_VARLEN_NAMES.index("alibi_slopes")] = alibi
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dlse = None if dlse is None else dlse.contiguous()
+    dout, dlse = _dense_grads(out, dout, dlse)
     dq, dk, dv = backward_fn(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths, *op_options)
     return (dq, dk, dv, None, None, None, None, *(None for _ in op_options))
 
