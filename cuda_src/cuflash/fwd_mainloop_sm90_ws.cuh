@@ -237,19 +237,21 @@ struct FwdMainloopSm90Ws
     }
     __device__ __forceinline__ unsigned q_full() const { return barrier(this->smem_q, 0); }
     __device__ __forceinline__ unsigned q_empty() const { return barrier(this->smem_q, 1); }
-    __device__ __forceinline__ unsigned k_full(int r) const { return barrier(this->smem_q, 2 + r % kStages); }
-    __device__ __forceinline__ unsigned v_full(int r) const { return barrier(this->smem_q, 2 + kStages + r % kStages); }
-    __device__ __forceinline__ unsigned k_empty(int r) const { return barrier(this->smem_q, 2 + 2 * kStages + r % kStages); }
-    __device__ __forceinline__ unsigned v_empty(int r) const { return barrier(this->smem_q, 2 + 3 * kStages + r % kStages); }
+    __device__ __forceinline__ unsigned k_full(int r) const { return barrier(this->smem_q, 2 + ring_slot(r)); }
+    __device__ __forceinline__ unsigned v_full(int r) const { return barrier(this->smem_q, 2 + kStages + ring_slot(r)); }
+    __device__ __forceinline__ unsigned k_empty(int r) const { return barrier(this->smem_q, 2 + 2 * kStages + ring_slot(r)); }
+    __device__ __forceinline__ unsigned v_empty(int r) const { return barrier(this->smem_q, 2 + 3 * kStages + ring_slot(r)); }
     // The tile queue's (kQueue): its two mbarriers, then the slot holding the unit the producer took last.
     static __device__ __forceinline__ unsigned unit_full(unsigned smem) { return barrier(smem, 2 + 4 * kStages); }
     static __device__ __forceinline__ unsigned unit_empty(unsigned smem) { return barrier(smem, 3 + 4 * kStages); }
     static __device__ __forceinline__ unsigned unit_slot(unsigned smem) {
         return smem + kOffBarriers + kBarriers * sm90::kMbarrierBytes;
     }
-    // The parity of the phase that ring step r's use of its slot completes.
-    static __device__ __forceinline__ int parity(int r) { return (r / kStages) & 1; }
-    static __device__ __forceinline__ unsigned slot(int r) { return unsigned(r % kStages) * Tile::kBytes; }
+    // Ring step r's slot and the parity of the phase that its use of the slot completes (r >= 0: unsigned
+    // arithmetic, a shift and a mask for two slots instead of the signed division's corrections).
+    static __device__ __forceinline__ int ring_slot(int r) { return int(unsigned(r) % kStages); }
+    static __device__ __forceinline__ int parity(int r) { return int(unsigned(r) / kStages) & 1; }
+    static __device__ __forceinline__ unsigned slot(int r) { return unsigned(ring_slot(r)) * Tile::kBytes; }
     // Where the epilogue stages O.
     __device__ __forceinline__ unsigned smem_o() const { return kSeparateO ? this->smem_q + kOffO : this->smem_q; }
 

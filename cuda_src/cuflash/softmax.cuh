@@ -107,16 +107,36 @@ struct OnlineSoftmax {
         }
     }
 
+    // acc_o *= ratio of its row, always (for a mainloop whose multiplies run in the shadow of the EX2s).
+    template <int kDTiles>
+    static __device__ __forceinline__ void rescale_all(float (&acc_o)[kMTiles][kDTiles][4],
+                                                       const float (&ratio)[kMTiles][2]) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= ratio[mt][e / 2];
+            }
+        }
+    }
+
     // 3. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score, written over acc_s (fp32,
     // not yet normalized), and l += rowsum(p). Masked scores (-inf) give p = 0; for a row with no visible key
-    // the offset is 0, so p = 0 there as well.
+    // the offset is 0, so p = 0 there as well. `m`: the running maxima (row_max's values; a mainloop may pass
+    // them through a dependency of its own to place these instructions).
     template <int kNTiles>
     __device__ __forceinline__ void exp_step(float (&acc_s)[kMTiles][kNTiles][4], float scale_log2) {
+        exp_step(acc_s, scale_log2, row_max);
+    }
+    template <int kNTiles>
+    __device__ __forceinline__ void exp_step(float (&acc_s)[kMTiles][kNTiles][4], float scale_log2,
+                                             const float (&m)[kMTiles][2]) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float m_scaled = finite_or_zero(row_max[mt][half]) * scale_log2;
+                const float m_scaled = finite_or_zero(m[mt][half]) * scale_log2;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {

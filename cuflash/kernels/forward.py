@@ -141,6 +141,13 @@ for _key, _bytes in {(90, 64, 1, 2): 52, (90, 64, 1, 3): 100, (90, 64, 2, 0): 32
 for _key, _bytes in {(90, 64, 2, 2): 68, (90, 64, 2, 3): 84, (90, 128, 2, 2): 84, (90, 128, 2, 3): 92,
                      (80, 64, 2, 3): 8}.items():
     SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
+# Session 47: the warp-uniform Q-descriptor row of the warp-specialized consumers (flash_fwd.cu) moved the D64 causal
+# tile to 12 + 40 bytes under NVRTC 13.5 only; nvcc 13.0 and the GPU machine's NVRTC (whose README run passed the
+# allowance of 0 with it) spill nothing there. Timed on that machine only: D64 S1k causal forward +10% with the
+# session's other changes (RESULTS.md session 47); where the 13.5 spills sit is unseen (its cubins do not
+# disassemble with the tools here).
+for _key, _bytes in {(90, 64, 1, 0): 52}.items():
+    SPILL_ALLOWANCE[_key] = max(SPILL_ALLOWANCE.get(_key, 0), _bytes)
 del _key, _bytes
 
 #: Head-dim buckets that run the wgmma mainloop on arch 90 (sm_90a). Measured on an H100 (bf16, bench,
