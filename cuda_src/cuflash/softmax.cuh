@@ -90,24 +90,9 @@ struct OnlineSoftmax {
         return unchanged;
     }
 
-    // 2. acc_o *= ratio of its row, skipped (warp-uniformly) when no row of the warp changed its maximum,
-    // which is most steps once the maxima settle.
-    template <int kDTiles>
-    static __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kDTiles][4], const float (&ratio)[kMTiles][2],
-                                                   bool unchanged) {
-        if (!__all_sync(0xffffffffu, unchanged)) {  // warp-uniform branch
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-                for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= ratio[mt][e / 2];
-                }
-            }
-        }
-    }
-
-    // acc_o *= ratio of its row, always (for a mainloop whose multiplies run in the shadow of the EX2s).
+    // 2. acc_o *= ratio of its row: rescale_all always (for a mainloop whose multiplies run in the shadow of the
+    // EX2s), rescale skipped (warp-uniformly) when no row of the warp changed its maximum, which is most steps
+    // once the maxima settle.
     template <int kDTiles>
     static __device__ __forceinline__ void rescale_all(float (&acc_o)[kMTiles][kDTiles][4],
                                                        const float (&ratio)[kMTiles][2]) {
@@ -119,6 +104,11 @@ struct OnlineSoftmax {
                 for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= ratio[mt][e / 2];
             }
         }
+    }
+    template <int kDTiles>
+    static __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kDTiles][4], const float (&ratio)[kMTiles][2],
+                                                   bool unchanged) {
+        if (!__all_sync(0xffffffffu, unchanged)) rescale_all(acc_o, ratio);  // warp-uniform branch
     }
 
     // 3. p = exp2(s * scale_log2 - m * scale_log2): one FFMA + one EX2 per score, written over acc_s (fp32,
