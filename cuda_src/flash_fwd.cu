@@ -63,11 +63,12 @@ template <typename Cfg, typename Mainloop, typename Epilogue>
 __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, const TmaParams& tma, unsigned smem_q) {
     constexpr int kMask = Cfg::kMask, kBlockM = Cfg::kBlockM;
     const FwdTiles<kMask == kCausalMask> tiles(params, kBlockM);
-    Mainloop::init_barriers(smem_q);
+    Mainloop::init_barriers(params, smem_q);
     __syncthreads();
     FwdWsRing ring;
     if (threadIdx.x < Mainloop::kProducerThreads) {
         sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
+        if (int(threadIdx.x) >= Mainloop::producer_threads(params)) return;  // one warp produces (all by TMA)
         FwdUnitWalk<Mainloop> walk(smem_q);
         for (int u = walk.producer_first(params, ring); u < tiles.units; u = walk.producer_next(params, ring, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {

@@ -15,9 +15,10 @@
 //
 // Synchronization (cuflash/pipeline_sm90.cuh). FwdWsRing counts the tiles and the K / V steps this CTA
 // has been through; step r of the ring uses slot r % kStages, and phase parity (r / kStages) & 1:
-//   q_full, k_full[s], v_full[s]   producer -> consumers, 128 arrivals (every producer thread, once its
-//                                  own copies of the tile landed: cp.async.wait_group, then
-//                                  fence.proxy.async so the async proxy (wgmma) sees them, then arrive);
+//   q_full, k_full[s], v_full[s]   producer -> consumers, one arrival per producer thread (128, or 32 when
+//                                  one warp produces: producer_threads), each once its own copies of
+//                                  the tile landed: cp.async.wait_group, then fence.proxy.async so the
+//                                  async proxy (wgmma) sees them, then arrive;
 //   k_empty[s], v_empty[s], q_empty   consumers -> producer, 256 arrivals (every consumer thread, once its
 //                                  wgmma reading the slot has completed: K_j after S_j, V_j after P.V_j,
 //                                  Q after the tile's last S, or after the epilogue when it stages O in Q's
@@ -139,13 +140,14 @@ struct FwdUnitWalk {
     __device__ __forceinline__ int take(const AttnParams& p, FwdWsRing& ring) const {
         Mainloop::flush(ring);
         const unsigned slot = Mainloop::unit_slot(smem);
-        sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);  // read the last one
+        const int producers = Mainloop::producer_threads(p);
+        sm90::named_barrier_sync(Mainloop::kProducerBarrier, producers);  // every producer thread read the last one
         if (threadIdx.x == 0) {
             if (ring.tiles > 0) sm90::mbarrier_wait(Mainloop::unit_empty(smem), (ring.tiles - 1) & 1);
             st_shared_b32(slot, unsigned(atomicAdd(fwd_tile_counter(p), 1)));
             sm90::mbarrier_arrive(Mainloop::unit_full(smem));
         }
-        sm90::named_barrier_sync(Mainloop::kProducerBarrier, Mainloop::kProducerThreads);
+        sm90::named_barrier_sync(Mainloop::kProducerBarrier, producers);
         return int(ld_shared_b32(slot));
     }
     __device__ __forceinline__ int receive(int units, FwdWsRing& ring) const {
@@ -255,14 +257,27 @@ struct FwdMainloopSm90Ws
     // Where the epilogue stages O.
     __device__ __forceinline__ unsigned smem_o() const { return kSeparateO ? this->smem_q + kOffO : this->smem_q; }
 
+    // The producer's threads: one warp where every copy goes by TMA (Q, K and V by their maps with no sign
+    // flip of Q to wait for, and a staged bias by its own map), all issued by thread 0, so that three more
+    // warps would only poll the same barriers and commit empty cp.async groups (ncu, session 47: the four
+    // producer warps issued ~17% of the D128 forward's instructions; FlashAttention-3 / 4 produce from one
+    // warp). Else the whole warpgroup, whose threads share the cp.async copies. The other warps leave once
+    // they gave their registers away (flash_fwd_ws).
+    static __device__ __forceinline__ int producer_threads(const AttnParams& p) {
+        const bool q_tma = p.qkv_tma != 0 && (Cfg::ScoreMod::kScaled || p.scale >= 0.f);
+        const bool bias_copies = Cfg::kBias && p.bias_staged && !p.bias_tma;
+        return q_tma && !bias_copies ? 32 : kProducerThreads;
+    }
+
     // Thread 0 sets up the barriers; the kernel's __syncthreads publishes them before the roles split.
-    static __device__ __forceinline__ void init_barriers(unsigned smem) {
+    static __device__ __forceinline__ void init_barriers(const AttnParams& p, unsigned smem) {
         if (threadIdx.x == 0) {
-            sm90::mbarrier_init(barrier(smem, 0), kProducerThreads);
+            const int producers = producer_threads(p);
+            sm90::mbarrier_init(barrier(smem, 0), producers);
             sm90::mbarrier_init(barrier(smem, 1), kConsumerThreads);
             for (int s = 0; s < kStages; ++s) {
-                sm90::mbarrier_init(barrier(smem, 2 + s), kProducerThreads);
-                sm90::mbarrier_init(barrier(smem, 2 + kStages + s), kProducerThreads);
+                sm90::mbarrier_init(barrier(smem, 2 + s), producers);
+                sm90::mbarrier_init(barrier(smem, 2 + kStages + s), producers);
                 sm90::mbarrier_init(barrier(smem, 2 + 2 * kStages + s), kConsumerThreads);
                 sm90::mbarrier_init(barrier(smem, 2 + 3 * kStages + s), kConsumerThreads);
             }
