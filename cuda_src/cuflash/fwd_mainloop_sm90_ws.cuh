@@ -262,7 +262,7 @@ struct FwdMainloopSm90Ws
     // warps would only poll the same barriers and commit empty cp.async groups (ncu, session 47: the four
     // producer warps issued ~17% of the D128 forward's instructions; FlashAttention-3 / 4 produce from one
     // warp). Else the whole warpgroup, whose threads share the cp.async copies. The other warps leave once
-    // they gave their registers away (flash_fwd_ws).
+    // they gave their registers away (flash_fwd_ws); the one left loads with produce_by_tma.
     static __device__ __forceinline__ int producer_threads(const AttnParams& p) {
         const bool q_tma = p.qkv_tma != 0 && (Cfg::ScoreMod::kScaled || p.scale >= 0.f);
         const bool bias_copies = Cfg::kBias && p.bias_staged && !p.bias_tma;
@@ -354,6 +354,10 @@ struct FwdMainloopSm90Ws
     // scale on an unscaled modifier).
     __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, const SeqInfo& seq,
                                             FwdWsRing& ring) const {
+        if (producer_threads(params) < kProducerThreads) {
+            produce_by_tma(params, tma, ring);
+            return;
+        }
         const int n = this->blocks.count(), r0 = ring.steps;
         const bool kv_tma = params.qkv_tma != 0;
         const bool q_tma = kv_tma && (Cfg::ScoreMod::kScaled || params.scale >= 0.f);
@@ -390,6 +394,43 @@ struct FwdMainloopSm90Ws
             load_v(tma, j - 1, r - 1, kv_tma);
             publish_previous(ring, v_full(r - 1));
         }
+        ring.steps += n;
+        ring.tiles += 1;
+    }
+
+    // One tile's loads from the one-warp producer (producer_threads: every copy is a TMA). Thread 0 issues each
+    // one with its bytes counted on the full barrier, so the warp arrives right after the issue: the phase still
+    // completes only once the bytes landed, and no cp.async group is waited for or fenced. The same order as
+    // produce: Q, K_0, then K_j and V_{j-1}, then the last V.
+    __device__ __forceinline__ void produce_by_tma(const AttnParams& params, const TmaParams& tma,
+                                                   FwdWsRing& ring) const {
+        const int n = this->blocks.count(), r0 = ring.steps;
+        auto load_k_tma = [&](int j) {
+            const int r = r0 + j;
+            if (r >= kStages) sm90::mbarrier_wait(k_empty(r), parity(r) ^ 1);  // S of ring step r - kStages done
+            if (threadIdx.x == 0) {
+                if constexpr (Cfg::kBias) {
+                    if (params.bias_tma) this->loads.load_bias_tma(&tma.bias, j, r, k_full(r));
+                }
+                this->loads.load_kv_tma(false, &tma.k, j, r, k_full(r));
+            }
+            sm90::mbarrier_arrive(k_full(r));
+        };
+        auto load_v_tma = [&](int j) {
+            const int r = r0 + j;
+            if (r >= kStages) sm90::mbarrier_wait(v_empty(r), parity(r) ^ 1);  // P.V of ring step r - kStages done
+            if (threadIdx.x == 0) this->loads.load_kv_tma(true, &tma.v, j, r, v_full(r));
+            sm90::mbarrier_arrive(v_full(r));
+        };
+        if (ring.tiles > 0) sm90::mbarrier_wait(q_empty(), (ring.tiles - 1) & 1);  // the last tile's Q is free
+        if (threadIdx.x == 0) this->loads.load_q_tma(this->smem_q, &tma.q, q_full());
+        sm90::mbarrier_arrive(q_full());
+        load_k_tma(0);
+        for (int j = 1; j < n; ++j) {
+            load_k_tma(j);
+            load_v_tma(j - 1);
+        }
+        load_v_tma(n - 1);
         ring.steps += n;
         ring.tiles += 1;
     }
