@@ -257,16 +257,20 @@ struct FwdMainloopSm90Ws
     // Where the epilogue stages O.
     __device__ __forceinline__ unsigned smem_o() const { return kSeparateO ? this->smem_q + kOffO : this->smem_q; }
 
-    // The producer's threads: one warp where every copy goes by TMA (Q, K and V by their maps with no sign
-    // flip of Q to wait for, and a staged bias by its own map), all issued by thread 0, so that three more
-    // warps would only poll the same barriers and commit empty cp.async groups (ncu, session 47: the four
-    // producer warps issued ~17% of the D128 forward's instructions; FlashAttention-3 / 4 produce from one
-    // warp). Else the whole warpgroup, whose threads share the cp.async copies. The other warps leave once
-    // they gave their registers away (flash_fwd_ws); the one left loads with produce_by_tma.
+    // The producer's threads: one warp where every copy goes by TMA (Q, K and V by their maps, with no sign
+    // flip of Q to wait for), all issued by thread 0, so that three more warps would only poll the same
+    // barriers and commit empty cp.async groups (ncu, session 47: the four producer warps issued ~17% of the
+    // D128 forward's instructions; FlashAttention-3 / 4 produce from one warp). Else the whole warpgroup, whose
+    // threads share the cp.async copies. The other warps leave once they gave their registers away
+    // (flash_fwd_ws); the one left loads with produce_by_tma. Not with a bias: its variants spilled 8-72 bytes
+    // more with the second producer path (NVRTC 13.5; D128 bias + softcap 88 -> 160), and no A/B timed them.
     static __device__ __forceinline__ int producer_threads(const AttnParams& p) {
-        const bool q_tma = p.qkv_tma != 0 && (Cfg::ScoreMod::kScaled || p.scale >= 0.f);
-        const bool bias_copies = Cfg::kBias && p.bias_staged && !p.bias_tma;
-        return q_tma && !bias_copies ? 32 : kProducerThreads;
+        if constexpr (Cfg::kBias) {
+            return kProducerThreads;
+        } else {
+            const bool q_tma = p.qkv_tma != 0 && (Cfg::ScoreMod::kScaled || p.scale >= 0.f);
+            return q_tma ? 32 : kProducerThreads;
+        }
     }
 
     // Thread 0 sets up the barriers; the kernel's __syncthreads publishes them before the roles split.
@@ -347,16 +351,18 @@ struct FwdMainloopSm90Ws
         this->loads.load_v(j, r, kv_tma);
     }
 
-    // One tile's loads (tma: the kernel's __grid_constant__ maps). With params.qkv_tma, Q / K / V come by TMA
-    // from producer thread 0 (their bytes counted on the full barriers), the other threads' copies (the bias's
-    // where it has no map) and the publishing below stay: every producer thread still arrives on each full
-    // barrier once its own copies, if any, landed. Q by TMA only where no sign flip waits for it (a negative
-    // scale on an unscaled modifier).
+    // One tile's loads (tma: the kernel's __grid_constant__ maps). Where one warp produces (producer_threads),
+    // produce_by_tma. Else with params.qkv_tma (a bias, or Q's sign flip) K / V, and Q where no sign flip waits
+    // for it (a negative scale on an unscaled modifier), come by TMA from producer thread 0 (their bytes counted
+    // on the full barriers), the other threads' copies (the bias's where it has no map) and the publishing
+    // below stay: every producer thread still arrives on each full barrier once its own copies, if any, landed.
     __device__ __forceinline__ void produce(const AttnParams& params, const TmaParams& tma, const SeqInfo& seq,
                                             FwdWsRing& ring) const {
-        if (producer_threads(params) < kProducerThreads) {
-            produce_by_tma(params, tma, ring);
-            return;
+        if constexpr (!Cfg::kBias) {
+            if (producer_threads(params) < kProducerThreads) {
+                produce_by_tma(tma, ring);
+                return;
+            }
         }
         const int n = this->blocks.count(), r0 = ring.steps;
         const bool kv_tma = params.qkv_tma != 0;
@@ -402,18 +408,13 @@ struct FwdMainloopSm90Ws
     // one with its bytes counted on the full barrier, so the warp arrives right after the issue: the phase still
     // completes only once the bytes landed, and no cp.async group is waited for or fenced. The same order as
     // produce: Q, K_0, then K_j and V_{j-1}, then the last V.
-    __device__ __forceinline__ void produce_by_tma(const AttnParams& params, const TmaParams& tma,
-                                                   FwdWsRing& ring) const {
+    __device__ __forceinline__ void produce_by_tma(const TmaParams& tma, FwdWsRing& ring) const {
+        static_assert(!Cfg::kBias, "a staged bias keeps the producer warpgroup (producer_threads)");
         const int n = this->blocks.count(), r0 = ring.steps;
         auto load_k_tma = [&](int j) {
             const int r = r0 + j;
             if (r >= kStages) sm90::mbarrier_wait(k_empty(r), parity(r) ^ 1);  // S of ring step r - kStages done
-            if (threadIdx.x == 0) {
-                if constexpr (Cfg::kBias) {
-                    if (params.bias_tma) this->loads.load_bias_tma(&tma.bias, j, r, k_full(r));
-                }
-                this->loads.load_kv_tma(false, &tma.k, j, r, k_full(r));
-            }
+            if (threadIdx.x == 0) this->loads.load_kv_tma(false, &tma.k, j, r, k_full(r));
             sm90::mbarrier_arrive(k_full(r));
         };
         auto load_v_tma = [&](int j) {
