@@ -7,8 +7,9 @@
 //
 // Roles. Warpgroup 0 (threads 0-127) is the producer: it copies Q, then K_j and V_j of every visible key
 // block into a kStages-slot ring (cp.async through the shared FwdLoads, so strides, tails, packed
-// sequences and staged bias tiles load exactly as in the other mainloops), and gives most of its
-// registers to the consumers (setmaxnreg). Warpgroups 1 and 2 own query rows 0-63 and 64-127 of the
+// sequences and staged bias tiles load exactly as in the other mainloops; or by TMA, params.qkv_tma), and
+// gives most of its registers to the consumers (setmaxnreg). Where every copy is a TMA and there is no bias,
+// its warp 0 alone produces (producer_threads, produce_by_tma). Warpgroups 1 and 2 own query rows 0-63 and 64-127 of the
 // tile, each running FwdMainloopSm90's step on its own (S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} issued as
 // one turn, the softmax of S_j under P.V_{j-1}), with the accumulator contract of the other mainloops, so
 // the mask, score modifiers, dropout, softmax and epilogue are the shared ones.
@@ -18,7 +19,8 @@
 //   q_full, k_full[s], v_full[s]   producer -> consumers, one arrival per producer thread (128, or 32 when
 //                                  one warp produces: producer_threads), each once its own copies of
 //                                  the tile landed: cp.async.wait_group, then fence.proxy.async so the
-//                                  async proxy (wgmma) sees them, then arrive;
+//                                  async proxy (wgmma) sees them, then arrive (the one warp: right after
+//                                  the TMA issue, whose bytes the barrier counts);
 //   k_empty[s], v_empty[s], q_empty   consumers -> producer, 256 arrivals (every consumer thread, once its
 //                                  wgmma reading the slot has completed: K_j after S_j, V_j after P.V_j,
 //                                  Q after the tile's last S, or after the epilogue when it stages O in Q's
