@@ -9,10 +9,10 @@
 // block into a kStages-slot ring (cp.async through the shared FwdLoads, so strides, tails, packed
 // sequences and staged bias tiles load exactly as in the other mainloops; or by TMA, params.qkv_tma), and
 // gives most of its registers to the consumers (setmaxnreg). Where every copy is a TMA and there is no bias,
-// its warp 0 alone produces (producer_threads, produce_by_tma). Warpgroups 1 and 2 own query rows 0-63 and 64-127 of the
-// tile, each running FwdMainloopSm90's step on its own (S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} issued as
-// one turn, the softmax of S_j under P.V_{j-1}), with the accumulator contract of the other mainloops, so
-// the mask, score modifiers, dropout, softmax and epilogue are the shared ones.
+// its warp 0 alone produces (producer_threads, produce_by_tma). Warpgroups 1 and 2 own query rows 0-63 and
+// 64-127 of the tile, each running FwdMainloopSm90's step on its own (S_j = Q.K_j^T and O += P_{j-1}.V_{j-1}
+// issued as one turn, the softmax of S_j under P.V_{j-1}), with the accumulator contract of the other
+// mainloops, so the mask, score modifiers, dropout, softmax and epilogue are the shared ones.
 //
 // Synchronization (cuflash/pipeline_sm90.cuh). FwdWsRing counts the tiles and the K / V steps this CTA
 // has been through; step r of the ring uses slot r % kStages, and phase parity (r / kStages) & 1:
