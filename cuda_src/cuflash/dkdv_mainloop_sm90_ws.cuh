@@ -79,6 +79,14 @@ struct DkdvMainloopSm90Ws {
     // consumers' registers (no room for fp32 staging tiles beside the 64 KB of Q / dO stages).
     static constexpr bool kExchange = Cfg::kWarpsD == 2;
     static constexpr bool kStagedDq = Cfg::kAtomicDq && !kExchange;  // dQ staged for the producer's bulk add
+    // kSplitDq (128 queries a step, no bias: D64): each warpgroup computes dQ over its own 64 keys only (all 128
+    // queries, 64 fp32 accumulators a thread), so neither reads the other's dS^T rows and no barrier of both joins
+    // them inside a step. The partials meet in the step's staging tile: the first warpgroup stores its own, the
+    // second adds its own onto it (dq_half orders the two) and hands the sum to the producer, one bulk add a step as
+    // before. The second warpgroup starts half a step behind the first, so each one's P / dS math, long against the
+    // GEMMs at 128 queries, runs under the other's GEMMs (H200, session 49: a probe without the exchange, dQ wrong on
+    // purpose, ran the D64 backward 4-9% faster with the offset).
+    static constexpr bool kSplitDq = kStagedDq && !Cfg::kBias && Cfg::kBlockM == 128;
     static_assert(!kExchange || !Cfg::kBias, "the exchanged layout takes no bias");
     static_assert(!kGeneralOrdered || (is_general_mask(Cfg::kMask) && kStagedDq),
                   "ordered adds under a general mask: the staged dQ step");
@@ -97,7 +105,7 @@ struct DkdvMainloopSm90Ws {
     static constexpr int kOffDs1 = kOffP1 + (kExchange ? Cfg::TileP::kBytes : 0);
     static constexpr int kOffDqStage = kOffDs1 + (Cfg::kAtomicDq || kExchange ? Cfg::TileP::kBytes : 0);
     static constexpr int kOffBarriers = kOffDqStage + (kStagedDq ? 2 * kDqTileBytes : 0);
-    static constexpr int kBarriers = 1 + 2 * kStages + 4;
+    static constexpr int kBarriers = 1 + 2 * kStages + 6;
     static constexpr int kSmemBytes = kOffBarriers + (kBarriers * sm90::kMbarrierBytes + 15) / 16 * 16;
     static_assert(kOffDs1 % 1024 == 0 && Cfg::TileP::kBytes % 1024 == 0,
                   "the second dS^T tile needs the 1024-byte alignment of wgmma's 128-byte swizzle");
@@ -115,6 +123,8 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ unsigned q_empty(unsigned smem, int s) { return barrier(smem, 1 + kStages + s); }
     static __device__ __forceinline__ unsigned dq_full(unsigned smem, int d) { return barrier(smem, 1 + 2 * kStages + d); }
     static __device__ __forceinline__ unsigned dq_empty(unsigned smem, int d) { return barrier(smem, 3 + 2 * kStages + d); }
+    // kSplitDq: staging tile d holds the first warpgroup's partial dQ (first -> second warpgroup).
+    static __device__ __forceinline__ unsigned dq_half(unsigned smem, int d) { return barrier(smem, 5 + 2 * kStages + d); }
     static __device__ __forceinline__ unsigned ds_tile(unsigned smem, int step) {
         return smem + ((step & 1) ? kOffDs1 : Cfg::kOffDs);
     }
@@ -135,8 +145,9 @@ struct DkdvMainloopSm90Ws {
                 sm90::mbarrier_init(q_empty(smem, s), kConsumerThreads);
             }
             for (int d = 0; d < 2; ++d) {
-                sm90::mbarrier_init(dq_full(smem, d), kConsumerThreads);
+                sm90::mbarrier_init(dq_full(smem, d), kSplitDq ? 128 : kConsumerThreads);
                 sm90::mbarrier_init(dq_empty(smem, d), 1);
+                sm90::mbarrier_init(dq_half(smem, d), 128);
             }
         }
     }
@@ -484,6 +495,8 @@ struct DkdvMainloopSm90Ws {
             }
         }();
         if (num_steps > 0) sm90::mbarrier_wait(kv_full(smem), 0);
+        // kSplitDq: the second warpgroup waits for the first's step-0 P / dS (the first arrives below).
+        if (kSplitDq && num_steps > 1 && tid >= 128) sm90::named_barrier_sync(kDsBarrier, kConsumerThreads);
         for (int step = 0; step < num_steps; ++step) {
             const int s = step % kStages;
             const int query0 = blocks.block(c.index()) * Cfg::kBlockM;
@@ -530,6 +543,9 @@ struct DkdvMainloopSm90Ws {
                 Steps::probs_and_dscores(params, b, step_head, mask, masked, seqlen_q, query0, key0, smem, s, s_q, s_do,
                                          r, dbias_tile, acc_s, acc_dp, BiasTileRef::none(), spans);
             }
+            if (kSplitDq && num_steps > 1 && step == 0 && tid < 128) {
+                sm90::named_barrier_arrive(kDsBarrier, kConsumerThreads);
+            }
             if constexpr (kDbiasTurns) {
                 if (dbias_order::enabled(params)) {  // every consumer's adds are visible: the next rank's turn
                     __threadfence();
@@ -541,6 +557,8 @@ struct DkdvMainloopSm90Ws {
             if constexpr (kExchange) {
                 accumulate_exchanged(params, b, step_head, query0, step, s_q, s_do, smem, r, acc_s, acc_dp, acc_dk,
                                      acc_dv);
+            } else if constexpr (kSplitDq) {
+                accumulate_split(step, s_q, s_do, smem, r, acc_s, acc_dp, acc_dk, acc_dv);
             } else {
                 // dV += P^T . dO, dK += dS^T . Q from registers; with kAtomicDq first dQ = dS . K from the shared
                 // dS^T tiles of both warpgroups, staged for the producer's add.
@@ -591,6 +609,64 @@ struct DkdvMainloopSm90Ws {
             sm90::fence_operand(acc_dv);
             sm90::fence_operand(acc_dk);
             sm90::mbarrier_arrive(q_empty(smem, s));  // Q, dO, lse, D of stage s are read
+        }
+    }
+
+    // kSplitDq, step `step` after its P / dS math: the warpgroup's dS^T rows into the step's tile, one barrier of its
+    // own warps, then its partial dQ (all queries, its 64 keys), dV and dK; the partial staged once complete, while
+    // dV / dK run.
+    static __device__ __forceinline__ void accumulate_split(int step, unsigned s_q, unsigned s_do, unsigned smem,
+                                                            const Role& r, const float (&acc_s)[kMTiles][4],
+                                                            const float (&acc_dp)[kMTiles][4],
+                                                            float (&acc_dk)[kDTiles][4], float (&acc_dv)[kDTiles][4]) {
+        constexpr int kQueryPanels = Cfg::kBlockM / sm90::kPanelCols;
+        constexpr int kNT = Cfg::kHeadDim / 8;
+        unsigned p_frag[Cfg::kBlockM / 16][4];
+        pack_a<Elem>(p_frag, acc_s);
+        // The tile's rows of this warpgroup were last read by its own dQ and dK of step - 2, complete since.
+        const unsigned s_ds = ds_tile(smem, step);
+        {
+            unsigned ds_frag[Cfg::kBlockM / 16][4];
+            pack_a<Elem>(ds_frag, acc_dp);
+            store_a_tile<typename Cfg::TileP>(s_ds, ds_frag, r.key_row0, r.lane);
+        }
+        sm90::fence_proxy_async();
+        const int wg = r.warp / 4;
+        sm90::named_barrier_sync(4 + wg, 128);
+        float acc_dq[kQueryPanels][kNT][4];
+#pragma unroll
+        for (int p = 0; p < kQueryPanels; ++p) {
+            sm90::gemm_atb<Elem, 64, Cfg::kBlockN, Cfg::kBlockN>(acc_dq[p], s_ds, p, smem + Cfg::kOffK, 0, 64 * wg,
+                                                                 false);
+        }
+        sm90::fence_operand(acc_dv);
+        sm90::fence_operand(acc_dk);
+        sm90::gemm_rs<Elem, Cfg::kBlockM / 16, Cfg::kBlockM>(acc_dv, p_frag, s_do, 0, 0, true);
+        // dK from the tile just written (its rows read K-major): dS^T's fragments beside the partial dQ's 64
+        // accumulators made ptxas serialize the wgmma.
+        sm90::gemm_ab<Elem, Cfg::kBlockM, Cfg::kBlockN, Cfg::kBlockM>(acc_dk, s_ds, 64 * wg, s_q, 0, true);
+        sm90::wait<2>();
+        const unsigned tile = dq_tile(smem, step);
+        if (wg == 0) {
+            if (step >= 2) sm90::mbarrier_wait(dq_empty(smem, step & 1), ((step >> 1) - 1) & 1);
+        } else {
+            sm90::mbarrier_wait(dq_half(smem, step & 1), (step >> 1) & 1);
+        }
+#pragma unroll
+        for (int p = 0; p < kQueryPanels; ++p) {
+            sm90::fence_operand(acc_dq[p]);
+            const int row = p * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
+            if (wg == 0) {
+                stage_dq_at<false>(acc_dq[p], row, 2 * r.t, tile);
+            } else {
+                stage_dq_at<true>(acc_dq[p], row, 2 * r.t, tile);
+            }
+        }
+        if (wg == 0) {
+            sm90::mbarrier_arrive(dq_half(smem, step & 1));  // the second warpgroup reads it (generic proxy)
+        } else {
+            sm90::fence_proxy_async();  // every element's last writer is this warpgroup: the bulk add reads them
+            sm90::mbarrier_arrive(dq_full(smem, step & 1));
         }
     }
 
@@ -652,9 +728,16 @@ struct DkdvMainloopSm90Ws {
     static __device__ __forceinline__ void stage_dq(const float (&acc)[kNT][4], const Role& r, unsigned tile) {
         static_assert(DqStep::kSplitQueries || DqStep::kSplitColumns,
                       "each (row, column) of the staged dQ has one writer");
-        static_assert(kNT % 2 == 0, "the staging pairs adjacent n-tiles");
         const int row = DqStep::query_panel(r.warp) * sm90::kPanelCols + (r.warp % 4) * 16 + r.g;
         const int col0 = DqStep::panel0(r.warp) * sm90::kPanelCols + 2 * r.t;  // a multiple of 64, plus 2t
+        stage_dq_at<false>(acc, row, col0, tile);
+        sm90::fence_proxy_async();
+    }
+    // A thread's dQ fragment (rows row, row + 8; columns col0 + 8 nt, + 1) into a staging tile; kAdd: onto what the
+    // tile holds there (kSplitDq's second partial).
+    template <bool kAdd, int kNT>
+    static __device__ __forceinline__ void stage_dq_at(const float (&acc)[kNT][4], int row, int col0, unsigned tile) {
+        static_assert(kNT % 2 == 0, "the staging pairs adjacent n-tiles");
         // Pair p's chunk: that of pair p % 2 plus 4 (p - p % 2) (the row-parity swap stays inside each 32-column
         // group), so two addresses per thread; rows g + 8 are 8 rows on (the same parity).
         unsigned at[2];
@@ -664,11 +747,16 @@ struct DkdvMainloopSm90Ws {
         for (int p = 0; p < kNT / 2; ++p) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {  // rows g, g + 8
-                st_shared_f32x4(at[p % 2] + (16 * (p - p % 2) + 8 * half * Cfg::kHeadDim) * 4, acc[2 * p][2 * half],
-                                acc[2 * p][2 * half + 1], acc[2 * p + 1][2 * half], acc[2 * p + 1][2 * half + 1]);
+                const unsigned addr = at[p % 2] + (16 * (p - p % 2) + 8 * half * Cfg::kHeadDim) * 4;
+                float x = acc[2 * p][2 * half], y = acc[2 * p][2 * half + 1], z = acc[2 * p + 1][2 * half],
+                      w = acc[2 * p + 1][2 * half + 1];
+                if constexpr (kAdd) {
+                    const float4 o = ld_shared_f32x4(addr);
+                    x += o.x, y += o.y, z += o.z, w += o.w;
+                }
+                st_shared_f32x4(addr, x, y, z, w);
             }
         }
-        sm90::fence_proxy_async();
     }
 };
 

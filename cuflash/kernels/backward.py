@@ -545,13 +545,13 @@ def dkdv_mainloop(arch: int, bucket: int, mask: int, score_mod: int, atomic_dq: 
 def ws_extra_smem_bytes(block_m: int, block_n: int, head_dim: int, atomic_dq: bool) -> int:
     """Mirror of what DkdvMainloopSm90Ws adds to DkdvConfig's layout: a second dS^T tile and two fp32 dQ
     staging tiles (atomic path), or with the exchanged layout (ws_exchanges) a second P^T and dS^T pair, then
-    its mbarriers (1 + 2 * 2 stages + 4, rounded to 16 bytes)."""
+    its mbarriers (1 + 2 * 2 stages + 6, rounded to 16 bytes)."""
     tile_p = block_n * block_m * ELEM_BYTES
     if ws_exchanges(head_dim):
         extra = 2 * tile_p
     else:
         extra = (tile_p + 2 * block_m * head_dim * 4) if atomic_dq else 0
-    return extra + (9 * 8 + 15) // 16 * 16
+    return extra + (11 * 8 + 15) // 16 * 16
 
 
 def dkdv_variant(arch: int, dtype: str, bucket: int, mask: int, atomic_dq: bool, score_mod: int = 0,
