@@ -1,12 +1,13 @@
 // The warp-specialized sm_90a dK/dV mainloop (DkdvMainloopSm90Ws): a producer warpgroup loads and adds dQ,
 // two consumer warpgroups (the 8 warps of DkdvWgmmaSm90's layout: warpgroup g owns keys 64g .. +64) run the
-// GEMMs and the P / dS math. Only the dS^T exchange of the atomic dQ step joins the consumers; nothing joins
-// them with the producer but mbarriers:
+// GEMMs and the P / dS math. Only the dS^T exchange of the atomic dQ step joins the consumers (at D64 the sum of
+// their partial dQ instead); nothing joins them with the producer but mbarriers:
 //   kv_full          K, V of the block landed (once)
 //   q_full[s]        stage s holds the step's Q, dO, lse, D (producer -> consumers)
 //   q_empty[s]       both consumer warpgroups are done with stage s (consumers -> producer)
 //   dq_full[d]       dQ staging tile d holds the step's dS.K (consumers -> producer; atomic path)
 //   dq_empty[d]      the producer's bulk add has read tile d (producer -> consumers)
+//   dq_half[d]       tile d holds the first warpgroup's partial dQ (kSplitDq: first -> second warpgroup)
 // The producer copies with cp.async (DkdvLoads on its 128 threads) and publishes a stage the way the
 // warp-specialized forward does (wait_group, fence.proxy.async, arrive); one producer thread adds each
 // step's staged dQ (kBlockM contiguous dq_accum rows, each in dq_accum_chunk's order: bwd_config.cuh) with one
@@ -18,6 +19,10 @@
 // q_empty once dV / dK have read the stage. The dS^T tiles alternate by step: a warpgroup writes tile
 // (i + 1) & 1 only after the barrier of step i, which the other warpgroup reaches after its dQ GEMM of
 // step i - 1 (the last reader of that tile) has completed.
+// At 128 queries a step without a bias (D64, kSplitDq) the warpgroups exchange nothing: each computes dQ over its
+// own keys from its own dS^T rows (one barrier of its own 128 threads) and dK from those rows in shared memory; the
+// first stores its partial into the staging tile, the second adds its own onto it and arrives on dq_full. The
+// second warpgroup runs half a step behind the first.
 //
 // A bias (no softcap) on the atomic path: the producer also copies the step's bias tile into the step's dS
 // tile (Cfg::kBiasInDs; by TMA when params.bias_tma, producer thread 0 adding its bytes to the stage's
