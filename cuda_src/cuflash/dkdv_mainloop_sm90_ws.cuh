@@ -756,8 +756,9 @@ struct DkdvMainloopSm90Ws {
                 float x = acc[2 * p][2 * half], y = acc[2 * p][2 * half + 1], z = acc[2 * p + 1][2 * half],
                       w = acc[2 * p + 1][2 * half + 1];
                 if constexpr (kAdd) {
-                    const float4 o = ld_shared_f32x4(addr);
-                    x += o.x, y += o.y, z += o.z, w += o.w;
+                    const uint4 o = ld_shared_b128(addr);
+                    x += __uint_as_float(o.x), y += __uint_as_float(o.y), z += __uint_as_float(o.z),
+                        w += __uint_as_float(o.w);
                 }
                 st_shared_f32x4(addr, x, y, z, w);
             }

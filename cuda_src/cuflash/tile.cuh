@@ -90,13 +90,6 @@ __device__ __forceinline__ void st_shared_f32x4(unsigned addr, float x, float y,
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z), "f"(w));
 }
 
-__device__ __forceinline__ float4 ld_shared_f32x4(unsigned addr) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
-                 : "memory");
-    return v;
-}
-
 // 4-byte global->shared async copy, zero-filling when !valid (lse / softmax_d rows carry no 16-byte
 // alignment guarantee: their row stride is Sq).
 __device__ __forceinline__ void cp_async_4(unsigned smem_dst, const void* gmem_src, bool valid) {
