@@ -7,7 +7,8 @@ tree's own cuda_src):
 
 Alternate which tree runs first from round to round, and run nothing else on the machine: on an H200 (session 27,
 benchmarks/RESULTS.md) the second process of a pair read up to ~10% slower on the S1k cells than the first with
-the same kernels (none at S4k), and rounds beside a test run on the other GPU moved by as much.
+the same kernels (none at S4k), and rounds beside a test run on the other GPU moved by as much. Each process first
+keeps the GPU busy for --warmup seconds: on a freshly started machine (session 50) the first rounds read 2-7% slow.
 
     for r in 1 2 3 4; do
       [ $((r % 2)) = 1 ] && order="base new" || order="new base"
@@ -43,6 +44,9 @@ def main() -> int:
     ap.add_argument("--forward-only", action="store_true",
                     help="time and compare the forward alone (with --precompile: compile its kernels alone)")
     ap.add_argument("--ref-dir", default="/tmp/cuflash-tree-ab", help="where the first tree's outputs are kept")
+    ap.add_argument("--warmup", type=float, default=2.0,
+                    help="seconds of bf16 matmuls before the first cell, so that the GPU's clocks are up (session 50: "
+                         "on a freshly started H200 the first tree's process read 2-7%% slow without it)")
     ap.add_argument("--precompile", action="store_true",
                     help="only compile the cells' kernels (this tree's plans: forward, both backward modes, sm_90a "
                          "with 132 SMs) on every core, then exit: run it per tree before the timed rounds")
@@ -59,6 +63,7 @@ def main() -> int:
     import cuflash
 
     os.makedirs(args.ref_dir, exist_ok=True)
+    warm_up(cp, args.warmup)
     for name in args.cells:
         c = cells[name]
         x = bench.make_inputs(c, None)
@@ -87,6 +92,20 @@ def main() -> int:
               f"{2.5 * flops / bwd[False] / 1e9:6.1f} TF | det {bwd[True]:7.3f} ms {2.5 * flops / bwd[True] / 1e9:6.1f} TF"
               f" | f+b {3.5 * flops / (fwd + bwd[False]) / 1e9:6.1f} TF{diff}", flush=True)
     return 0
+
+
+def warm_up(cp, seconds: float) -> None:
+    """Keep the GPU busy with 4096^2 bf16-sized matmuls (float16 in CuPy) for about ``seconds``."""
+    import time
+
+    if seconds <= 0:
+        return
+    a = cp.ones((4096, 4096), dtype=cp.float16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        cp.cuda.Device().synchronize()
 
 
 def precompile(cells, forward_only: bool = False) -> int:
