@@ -189,6 +189,21 @@ def test_backward_with_workspace_and_dlse(gpu, checks):
         cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, workspace=bad)
 
 
+@pytest.mark.parametrize("name", ["lse_log2", "softmax_d", "dq_accum"])
+def test_workspace_buffers_must_be_16_byte_aligned(gpu, name):
+    """A workspace buffer 4 bytes off a 16-byte boundary is refused by name, before any launch: the dK/dV kernels
+    add whole dq_accum rows by 16-byte bulk copies, which fault on such an address."""
+    q, k, v = qkv(gpu)
+    out, lse = gpu.array((2, 33, 4, 64), BF16), gpu.array((2, 4, 33), np.float32)
+    dout = gpu.array((2, 33, 4, 64), BF16)
+    shapes = cuflash.backward_workspace(q, k, v)
+    workspace = {field: gpu.array(shape, np.float32, offset_bytes=4 if field == name else 0)
+                 for field, shape in shapes.items()}
+    with pytest.raises(ValueError, match=f"workspace\\['{name}'\\]'s base pointer is not 16-byte aligned"):
+        cuflash.attention_backward(dout, q, k, v, out, lse, workspace=workspace)
+    assert not gpu.launches
+
+
 def test_call_plan_params_bytes_equal_make_params(gpu):
     """CallPlan.params_bytes (pointers patched into the cached block) == make_params on other arrays."""
     q, k, v = qkv(gpu)
