@@ -531,9 +531,7 @@ def _scratch(plan, workspace, device: int, shapes_from: str = "cuflash.backward_
         contiguous = all(s == e for s, e in zip(t.strides, _contiguous_strides(shape)))
         if not contiguous:
             raise ValueError(f"workspace[{field!r}] must be contiguous, got strides {t.strides}")
-        if t.ptr % 16:  # the dK/dV kernels move dq_accum rows by 16-byte bulk copies (and vector stores)
-            raise ValueError(f"workspace[{field!r}]'s base pointer is not 16-byte aligned (address % 16 = "
-                             f"{t.ptr % 16})")
+        validation.check_aligned_base(t)  # the dK/dV kernels add dq_accum rows by 16-byte bulk copies
         pointers[field] = t.ptr
         owners.append(t.array)
     return pointers, owners

@@ -291,6 +291,16 @@ def _check_dtype(t: TensorDesc) -> None:
         raise TypeError(f"{t.name} has dtype {t.dtype}; cuflash supports {', '.join(SUPPORTED_DTYPES)}")
 
 
+def check_aligned_base(t: TensorDesc) -> None:
+    """Base pointer 16-byte aligned (the kernels' vector and bulk copies)."""
+    if t.ptr % LOAD_ALIGNMENT_BYTES:
+        raise ValueError(
+            f"{t.name}'s base pointer is not {LOAD_ALIGNMENT_BYTES}-byte aligned (address % 16 = "
+            f"{t.ptr % LOAD_ALIGNMENT_BYTES}); cuflash loads {LOAD_ALIGNMENT_BYTES} bytes at a time. "
+            f"This happens with a view at an odd element offset: pass a copy"
+        )
+
+
 def _check_loadable(t: TensorDesc) -> None:
     """Last dim contiguous, base pointer and outer strides 16-byte aligned."""
     if t.shape[-1] != 1 and t.strides[-1] != 1:
@@ -300,12 +310,7 @@ def _check_loadable(t: TensorDesc) -> None:
         )
     if any(s < 0 for s in t.strides):
         raise ValueError(f"{t.name} has negative strides {t.strides}; pass a copy")
-    if t.ptr % LOAD_ALIGNMENT_BYTES:
-        raise ValueError(
-            f"{t.name}'s base pointer is not {LOAD_ALIGNMENT_BYTES}-byte aligned (address % 16 = "
-            f"{t.ptr % LOAD_ALIGNMENT_BYTES}); cuflash loads {LOAD_ALIGNMENT_BYTES} bytes at a time. "
-            f"This happens with a view at an odd element offset: pass a copy"
-        )
+    check_aligned_base(t)
     for axis, (size, stride) in enumerate(zip(t.shape[:-1], t.strides[:-1])):
         if size > 1 and (stride * t.itemsize) % LOAD_ALIGNMENT_BYTES:
             raise ValueError(
