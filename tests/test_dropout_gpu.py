@@ -41,6 +41,10 @@ DROPOUT_PROBLEMS = [
     Problem("fp32", 1, 70, 90, 4, 2, 64, segments="docs", bias="heads", dropout=0.4),
     Problem("fp16", 1, 1, 33, 2, 1, 64, dropout=0.9),
     Problem("bf16", 1, 300, 260, 2, 2, 64, Dv=128, blocks="blocks", causal=True, dropout=0.05, dlse=True),
+    # rows that see one key: exact dq / dk 0, while a kept row's out v / (1 - p) is rounded (long fuzz, session 51)
+    Problem("bf16", 1, 1, 1, 1, 1, 8, dropout=0.05),
+    Problem("fp16", 2, 40, 1, 2, 1, 64, dropout=0.2),
+    Problem("bf16", 1, 90, 90, 2, 2, 128, window=(0, 0), dropout=0.3),
 ]
 
 

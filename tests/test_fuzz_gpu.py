@@ -37,7 +37,8 @@ EXAMPLES = int(os.environ.get("CUFLASH_FUZZ_EXAMPLES") or 0)
 LONG_MODE = EXAMPLES > 0
 SHORT_EXAMPLES = 100
 
-_stats = {"cases": 0, "failed": 0, "by_dtype": collections.Counter(), "by_option": collections.Counter(),
+_stats = {"cases": 0, "failed": 0, "failures": [], "by_dtype": collections.Counter(),
+          "by_option": collections.Counter(),
           "seconds": 0.0}
 _OPTIONS = ("window", "softcap", "alibi", "segments", "blocks", "bias", "mask", "dropout")
 
@@ -52,6 +53,7 @@ def _fuzz_session(request):
         "max_examples": EXAMPLES or SHORT_EXAMPLES,
         "cases": _stats["cases"],
         "failed_cases": _stats["failed"],
+        "failures": _stats["failures"],
         "by_dtype": dict(_stats["by_dtype"]),
         "by_option": dict(_stats["by_option"]),
         "seconds": round(_stats["seconds"], 1),
@@ -159,8 +161,10 @@ def test_fuzz_against_reference(p):
         gu.check_attention(p)
     except KeyboardInterrupt:  # a time limit (timeout -s INT), not a failure of this case
         raise
-    except BaseException:
+    except BaseException as exc:
         _stats["failed"] += 1
+        if len(_stats["failures"]) < 50:  # every failing example, the shrinker's too: the first is the drawn one
+            _stats["failures"].append(f"{p.id}: {str(exc).splitlines()[1:2]}")
         raise
     finally:
         _stats["seconds"] += time.perf_counter() - start
