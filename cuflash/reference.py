@@ -801,7 +801,7 @@ def naive_forward(q, k, v, *, dtype, scale=None, causal=False, window=(None, Non
 
 def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(None, None),
                    softcap=None, alibi_slopes=None, segment_ids=None, block_ids=None, bias=None, mask=None,
-                   dlse=None, dropout_p=0.0, dropout_mask=None, xp=None):
+                   dlse=None, dropout_p=0.0, dropout_mask=None, out=None, xp=None):
     """The naive model's backward -> ``{"dq", "dk", "dv"}`` (+ ``"dbias"``: the float32 dS summed to the
     bias's shape, rounded to ``dtype``), float32 arrays of ``dtype`` values.
 
@@ -810,6 +810,11 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(No
     with a softcap) is rounded to ``dtype`` before ``dQ = dS @ K`` and ``dK = dS^T @ Q``; results are
     rounded to ``dtype``. Same options as :func:`naive_forward`; with dropout ``dV = (P keep / (1 - p))^T @ dO``
     and ``dP`` is scaled by keep / (1 - p) before the softmax backward.
+
+    ``out`` (B, Sq, H, Dv): a forward output to take the row term from, as FlashAttention does:
+    ``rowsum(dO * out)`` in place of ``rowsum(P * dP)`` (equal in exact arithmetic for the exact out). Then
+    dP's rounding no longer cancels in ``dP - D``, and out's own rounding enters D: the error of
+    FlashAttention's formula in this precision.
     """
     xp = _array_module(xp)
     options = _naive_options(scale, causal, window, softcap, alibi_slopes, segment_ids, block_ids, bias, dtype, mask,
@@ -838,7 +843,13 @@ def naive_backward(dout, q, k, v, *, dtype, scale=None, causal=False, window=(No
         dprobs = xp.matmul(dout, transposed(v))
         if keep_scale is not None:
             dprobs = dprobs * keep_scale
-        dscores = dprobs - xp.sum(probs * dprobs, axis=-1, keepdims=True)
+        if out is None:
+            row_term = xp.sum(probs * dprobs, axis=-1, keepdims=True)
+        else:
+            stored = round_to_dtype(out, dtype, xp)
+            _check_shape("out", stored, (dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v), "(B, Sq, H, Dv)")
+            row_term = xp.sum(dout * stored.transpose(0, 2, 1, 3), axis=-1, keepdims=True)
+        dscores = dprobs - row_term
         if dlse is not None:
             dscores = dscores + dlse[..., None]
         dscores = probs * dscores

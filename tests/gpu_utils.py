@@ -15,6 +15,10 @@ The rule (one place, used by every GPU test):
     from the fp32 lse; with a peaked softmax ``dP - D`` cancels and that rounding shows in dq/dk.
     It is the reference backward with ``dout * c`` and ``dlse' = c * (dlse - rowsum(dO * (out -
     out_exact)))``, ``c = exp(lse_exact - lse)``: exact arithmetic on the stored residuals.
+  * flash (backward only): the naive model with FlashAttention's row term, ``D = rowsum(dO * out)`` from
+    the stored out (``naive_backward(out=...)``): that formula's error in the same precision, where dP's
+    rounding no longer cancels in ``dP - D``. It matters on small, cancelling float32 problems (the long
+    fuzz of session 51: D256, dropout 0.85, one query row against two keys).
   The baselines are computed lazily, cheapest first, only while the kernel's error exceeds the
   tolerance they give.
 - A kernel passes when ``error <= 2 * baseline + floor`` with ``floor`` = 1e-3 for fp16/bf16 (1e-5 for
@@ -662,7 +666,7 @@ class Expected:
             **self._options)
         self.grads = None
         self._dout = self._dlse = None
-        self._naive_fwd = self._naive_bwd = self._residual = None
+        self._naive_fwd = self._naive_bwd = self._residual = self._flash_bwd = None
         if backward:
             self._dout = to_f64(x.dout)
             self._dlse = None if x.dlse is None else x.dlse.astype(cupy.float64)
@@ -700,6 +704,15 @@ class Expected:
                 scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, xp=cupy,
                 **self._options)
         return self._naive_bwd
+
+    def flash_grads(self, out):
+        """The naive model with FlashAttention's row term, D = rowsum(dO * out) from the stored ``out``."""
+        if self._flash_bwd is None:
+            self._flash_bwd = self._reference.naive_backward(
+                self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name,
+                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, out=to_f64(out), xp=cupy,
+                **self._options)
+        return self._flash_bwd
 
 
 def expected_for(p: Problem, x: Inputs, *, backward: bool = True) -> Expected:
@@ -851,7 +864,8 @@ def check_backward(report: Report, p: Problem, x: Inputs, r: Result, e: Expected
         if name in finite_only or not bool(cupy.all(cupy.isfinite(got))):
             continue
         baselines = {"naive": lambda n=name: e.naive_grads()[n],
-                     "stored": lambda n=name: e.residual_grads(r.out, r.lse)[n]}
+                     "stored": lambda n=name: e.residual_grads(r.out, r.lse)[n],
+                     "flash": lambda n=name: e.flash_grads(r.out)[n]}
         check_close(report, name, got, e.grads[name], baselines, p.dtype, allowance=allowances.get(name, 0.0))
 
 

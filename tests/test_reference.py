@@ -452,6 +452,29 @@ def test_naive_float32_with_options_matches_reference(case):
     assert all(err < NAIVE_FP32_LIMIT for err in errors.values()), errors
 
 
+@pytest.mark.parametrize("case", list(NAIVE_OPTION_CASES))
+def test_naive_flash_row_term_follows_the_given_out(case):
+    """``naive_backward(out=...)`` takes its row term from ``out`` (FlashAttention's D = rowsum(dO * out)): with
+    the exact out it is the plain model up to fp32 rounding; with out moved by e its gradients are the reference's
+    with dlse lowered by rowsum(dO * e), what a D off by that much gives; an out of the wrong shape is refused."""
+    q, k, v, dout, dlse, options = _naive_option_problem(case)
+    ref_out, _ = reference.attention_forward(q, k, v, **options)
+    moved = ref_out + 0.05 * np.random.default_rng(3).standard_normal(ref_out.shape)
+    shift = np.sum(dout.astype(np.float64) * (moved.astype(np.float32) - ref_out), axis=-1).transpose(0, 2, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = reference.naive_backward(dout, q, k, v, dtype="float32", dlse=dlse, out=ref_out, **options)
+        off = reference.naive_backward(dout, q, k, v, dtype="float32", dlse=dlse, out=moved, **options)
+    ref_grads = reference.attention_backward(dout, q, k, v, dlse=dlse, **options)
+    ref_off = reference.attention_backward(dout, q, k, v, dlse=dlse - shift, **options)
+    for name in ("dq", "dk", "dv"):
+        assert reference.relative_error(exact[name], ref_grads[name]) < NAIVE_FP32_LIMIT, name
+        assert reference.relative_error(off[name], ref_off[name]) < NAIVE_FP32_LIMIT, name
+    assert reference.relative_error(off["dq"], ref_grads["dq"]) > 1e-3  # the moved out did reach dq
+    with pytest.raises(ValueError, match="out"):
+        reference.naive_backward(dout, q, k, v, dtype="float32", out=ref_out[:, :, :1], **options)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", ["softcap_alibi_segments_causal", "everything"])
 def test_naive_low_precision_with_options(case, dtype):
