@@ -164,7 +164,8 @@ def test_fuzz_against_reference(p):
     except BaseException as exc:
         _stats["failed"] += 1
         if len(_stats["failures"]) < 50:  # every failing example, the shrinker's too: the first is the drawn one
-            _stats["failures"].append(f"{p.id}: {str(exc).splitlines()[1:2]}")
+            first = (str(exc).splitlines()[1:2] or [type(exc).__name__])[0].strip()  # the report's first failure
+            _stats["failures"].append(f"{p.id}: {first}")
         raise
     finally:
         _stats["seconds"] += time.perf_counter() - start
