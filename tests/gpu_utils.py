@@ -697,21 +697,21 @@ class Expected:
                 **self._options)
         return self._residual
 
+    def _naive_backward(self, out=None):
+        return self._reference.naive_backward(
+            self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name, scale=self._p.softmax_scale,
+            causal=self._p.causal, dlse=self._dlse, out=None if out is None else to_f64(out), xp=cupy,
+            **self._options)
+
     def naive_grads(self):
         if self._naive_bwd is None:
-            self._naive_bwd = self._reference.naive_backward(
-                self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name,
-                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, xp=cupy,
-                **self._options)
+            self._naive_bwd = self._naive_backward()
         return self._naive_bwd
 
     def flash_grads(self, out):
         """The naive model with FlashAttention's row term, D = rowsum(dO * out) from the stored ``out``."""
         if self._flash_bwd is None:
-            self._flash_bwd = self._reference.naive_backward(
-                self._dout, self._q, self._k, self._v, dtype=self._p.dtype_name,
-                scale=self._p.softmax_scale, causal=self._p.causal, dlse=self._dlse, out=to_f64(out), xp=cupy,
-                **self._options)
+            self._flash_bwd = self._naive_backward(out)
         return self._flash_bwd
 
 
