@@ -126,16 +126,15 @@ __device__ __forceinline__ void rescale_add_into(float (&acc)[kI][kC], const flo
         for (int c = 0; c < kC; ++c) acc[i][c] = fmaf(acc[i][c], factor[i], x[i][c]);
 }
 
-// acc[i][j] = sum_{d < depth} A[ty + 16i][d] * B[tx + 16j][d], A and B in smem with row pitch kPitch.
-// depth is the runtime head dim rounded up to 4; the zero-filled columns past it are skipped.
+// acc[i][j] += sum_{d0 <= d < end} A[ty + 16i][d] * B[tx + 16j][d] in one fmaf chain, A and B in smem with row
+// pitch kPitch; d0 and end are multiples of 4.
 template <int kRowsA, int kRowsB, int kPitch>
-__device__ __forceinline__ void tile_dot_abt(float (&acc)[kRowsA / kThreadRows][kRowsB / kLanesPerRow],
-                                             const float* sA, const float* sB, int depth, int tx, int ty) {
+__device__ __forceinline__ void tile_dot_abt_chain(float (&acc)[kRowsA / kThreadRows][kRowsB / kLanesPerRow],
+                                                   const float* sA, const float* sB, int d0, int end, int tx, int ty) {
     constexpr int kI = kRowsA / kThreadRows;
     constexpr int kJ = kRowsB / kLanesPerRow;
-    fill_zero(acc);
 #pragma unroll 2
-    for (int d = 0; d < depth; d += 4) {
+    for (int d = d0; d < end; d += 4) {
         float4 a[kI], b[kJ];
 #pragma unroll
         for (int i = 0; i < kI; ++i) a[i] = *reinterpret_cast<const float4*>(sA + (ty + i * kThreadRows) * kPitch + d);
@@ -150,6 +149,36 @@ __device__ __forceinline__ void tile_dot_abt(float (&acc)[kRowsA / kThreadRows][
                 acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]);
                 acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
             }
+        }
+    }
+}
+
+// Above 64 head-dim columns tile_dot_abt sums runs of kDotRun columns, each in its own chain, and adds the runs:
+// fp32 rounding then grows with about depth / kDotRun + kDotRun terms instead of depth (cuBLAS blocks its sums
+// too). One chain over 256 columns put the fp32 backward's dq / dk up to 3x past their tolerance where dropout's
+// dP - D cancels (the long fuzz, session 51; a host emulation: 2.2x lower mean error at D256 with runs of 32).
+// Up to 96 columns one chain stays: the D64 / D96 tiles hold 16 / 8 accumulators a thread, and a second set spilled.
+constexpr int kDotRun = 32;
+
+// acc[i][j] = sum_{d < depth} A[ty + 16i][d] * B[tx + 16j][d], A and B in smem with row pitch kPitch.
+// depth is the runtime head dim rounded up to 4; the zero-filled columns past it are skipped.
+template <int kRowsA, int kRowsB, int kPitch>
+__device__ __forceinline__ void tile_dot_abt(float (&acc)[kRowsA / kThreadRows][kRowsB / kLanesPerRow],
+                                             const float* sA, const float* sB, int depth, int tx, int ty) {
+    constexpr int kI = kRowsA / kThreadRows;
+    constexpr int kJ = kRowsB / kLanesPerRow;
+    fill_zero(acc);
+    if constexpr (kPitch - kPad <= 96) {
+        tile_dot_abt_chain<kRowsA, kRowsB, kPitch>(acc, sA, sB, 0, depth, tx, ty);
+    } else {
+        for (int d0 = 0; d0 < depth; d0 += kDotRun) {
+            float run[kI][kJ];
+            fill_zero(run);
+            tile_dot_abt_chain<kRowsA, kRowsB, kPitch>(run, sA, sB, d0, min(depth, d0 + kDotRun), tx, ty);
+#pragma unroll
+            for (int i = 0; i < kI; ++i)
+#pragma unroll
+                for (int j = 0; j < kJ; ++j) acc[i][j] += run[i][j];
         }
     }
 }
