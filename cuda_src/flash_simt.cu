@@ -383,17 +383,20 @@ __global__ void __launch_bounds__(simt::kThreads, simt::kMinBlocksPerSm) flash_b
         if (row >= seq.seqlen_q) break;  // uniform across the warp
         const float* o_row = seq.o<const float>(params, row);
         const float* do_row = seq.dout<float>(params, row);
-        float acc = 0.f;
+        // In double: D cancels against dP in dS = P (dP - D), so its float32 rounding went on into dq (a host
+        // emulation of the long fuzz's fp32 failures, session 51: one problem's dq error 3.3e-4 -> 6.2e-5).
+        double acc = 0.0;
 #pragma unroll
         for (int c = 0; c < kHeadDim / 32; ++c) {
             const int col = c * 32 + lane;
-            if (col < params.head_dim_v) acc = fmaf(do_row[col], o_row[col], acc);
+            if (col < params.head_dim_v)
+                acc = fma(static_cast<double>(do_row[col]), static_cast<double>(o_row[col]), acc);
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
         if (lane == 0) {
-            const float dlse = params.dlse == nullptr ? 0.f : *seq.dlse(params, row);
-            *seq.softmax_d(params, row) = acc - dlse;
+            const double dlse = params.dlse == nullptr ? 0.0 : *seq.dlse(params, row);
+            *seq.softmax_d(params, row) = static_cast<float>(acc - dlse);
         }
     }
 }
