@@ -51,6 +51,7 @@ class Case:
     tail_q: int = 0  # packed rows after the last sequence (no sequence covers them)
     tail_k: int = 0
     offsets: str = "device"  # "device" (max_seqlen given), "device-nomax" (read back), "host"
+    max_pad: int = 0  # "device": max_seqlen given this much past the longest (the grid's blocks past every sequence)
 
     @property
     def keys(self) -> tuple:
@@ -67,6 +68,8 @@ class Case:
                  "causal" if self.causal else "full", self.offsets]
         if self.lens_k is not None:
             parts.append("qk")
+        if self.max_pad:
+            parts.append(f"pad{self.max_pad}")
         for flag, name in ((self.dlse, "dlse"), (self.deterministic, "det"), (self.tail_q or self.tail_k, "tail")):
             if flag:
                 parts.append(name)
@@ -95,6 +98,12 @@ CASES = [
          causal=True),
     Case("bf16", (0, 0), (5, 3), 2, 1, 64, tail_q=4, tail_k=1),  # no query row in any sequence
     Case("fp16", (6, 2), (0, 0), 2, 2, 32, causal=True, tail_k=3),  # no key in any sequence
+    # max_seqlen far past the longest sequence (a larger one than the packed rows counts as them): most of the grid's
+    # query / key blocks lie past every sequence
+    Case("bf16", (3, 130, 0, 700, 64), (9, 130, 40, 700, 1), 4, 2, 128, causal=True, max_pad=1500, tail_q=1500,
+         tail_k=1500),
+    Case("fp16", tuple(int(n) for n in np.random.default_rng(5).integers(0, 300, size=24)), None, 2, 1, 64,
+         max_pad=2000, dlse=True),
 ]
 
 
@@ -149,7 +158,7 @@ def _offsets(c: Case, x: Packed) -> tuple:
     cu_q, cu_k = cupy.asarray(x.cu_q), cupy.asarray(x.cu_k)
     if c.offsets == "device-nomax":
         return cu_q, cu_k, None, None
-    return cu_q, cu_k, max(c.lens_q), max(c.keys)
+    return cu_q, cu_k, max(c.lens_q) + c.max_pad, max(c.keys) + c.max_pad
 
 
 def run_varlen(c: Case, x: Packed):
