@@ -153,7 +153,7 @@ __device__ __forceinline__ void tile_dot_abt_chain(float (&acc)[kRowsA / kThread
     }
 }
 
-// Above 64 head-dim columns tile_dot_abt sums runs of kDotRun columns, each in its own chain, and adds the runs:
+// Above 96 head-dim columns tile_dot_abt sums runs of kDotRun columns, each in its own chain, and adds the runs:
 // fp32 rounding then grows with about depth / kDotRun + kDotRun terms instead of depth (cuBLAS blocks its sums
 // too). One chain over 256 columns put the fp32 backward's dq / dk up to 3x past their tolerance where dropout's
 // dP - D cancels (the long fuzz, session 51; a host emulation: 2.2x lower mean error at D256 with runs of 32).
