@@ -164,9 +164,10 @@ struct FwdUnitWalk {
     // rows the longest, 9216 units for 2304 with rows: 0.294 ms, and 0.456 ms with 4x the max_seqlen, i.e. ~6 ns
     // of the whole GPU's time per unit past). Those units are taken and dropped here, while the consumers work
     // on the unit before. A unit of a single tile (the queue's: general masks, unpaired) lies past its sequence
-    // when its query block starts at or past the sequence's length; its head's next units then hold shorter
-    // blocks (longest first) or longer ones, and those past too are skipped at once where the counter still
-    // points right after this one (a compare-and-swap; otherwise one at a time).
+    // when its query block starts at or past the sequence's length. Longest first, a head's units run from its
+    // last query block down, so those past the sequence open the head's run, together: once one is seen, the
+    // rest of them go at once by a compare-and-swap where the counter still points right after it (else one at
+    // a time).
     template <int kBlockM, typename Tiles>
     __device__ __forceinline__ int take_unit(const AttnParams& p, const Tiles& tiles) const {
         constexpr bool kLongestFirst = true;  // the general masks' order (flash_fwd_ws: kMask != kNoMask)
