@@ -70,7 +70,8 @@ __device__ __forceinline__ void flash_fwd_ws(const AttnParams& params, const Tma
         sm90::setmaxnreg_dec<Mainloop::kProducerRegisters>();
         if (int(threadIdx.x) >= Mainloop::producer_threads(params)) return;  // one warp produces (all by TMA)
         FwdUnitWalk<Mainloop> walk(smem_q);
-        for (int u = walk.producer_first(params, ring); u < tiles.units; u = walk.producer_next(params, ring, u))
+        for (int u = walk.template producer_first<kBlockM>(params, tiles, ring); u < tiles.units;
+             u = walk.template producer_next<kBlockM>(params, tiles, ring, u))
         for (int second = 0; second < tiles.tiles_in(u); ++second) {
             int m_block, h, b;
             tiles.at(u, second, kMask != kNoMask, m_block, h, b);

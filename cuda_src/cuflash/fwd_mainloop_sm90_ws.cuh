@@ -52,6 +52,7 @@ namespace cuflash {
 // grid_for); one CTA per tile walks single tiles.
 template <bool kPairable>
 struct FwdTiles {
+    static constexpr bool kPairs = kPairable;
     int num_m, num_heads, count;
     bool paired;
     int per_head, units;  // units of one (batch, head), units in all
@@ -105,17 +106,21 @@ struct FwdUnitWalk {
 
     __device__ __forceinline__ explicit FwdUnitWalk(unsigned smem_) : smem(smem_) {}
 
-    // Producer (every thread of its warpgroup): its first unit, then the one after u.
-    __device__ __forceinline__ int producer_first(const AttnParams& p, FwdWsRing& ring) const {
+    // Producer (every thread of its warpgroup): its first unit, then the one after u. kBlockM: the tiles' query
+    // rows (the queue skips the units past their packed sequence: take).
+    template <int kBlockM, typename Tiles>
+    __device__ __forceinline__ int producer_first(const AttnParams& p, const Tiles& tiles, FwdWsRing& ring) const {
         if constexpr (Mainloop::kQueue) {
-            return take(p, ring);
+            return take<kBlockM>(p, tiles, ring);
         } else {
             return int(blockIdx.x);
         }
     }
-    __device__ __forceinline__ int producer_next(const AttnParams& p, FwdWsRing& ring, int u) const {
+    template <int kBlockM, typename Tiles>
+    __device__ __forceinline__ int producer_next(const AttnParams& p, const Tiles& tiles, FwdWsRing& ring,
+                                                 int u) const {
         if constexpr (Mainloop::kQueue) {
-            return take(p, ring);
+            return take<kBlockM>(p, tiles, ring);
         } else {
             return u + int(gridDim.x);
         }
@@ -139,18 +144,50 @@ struct FwdUnitWalk {
     }
 
   private:
-    __device__ __forceinline__ int take(const AttnParams& p, FwdWsRing& ring) const {
+    template <int kBlockM, typename Tiles>
+    __device__ __forceinline__ int take(const AttnParams& p, const Tiles& tiles, FwdWsRing& ring) const {
         Mainloop::flush(ring);
         const unsigned slot = Mainloop::unit_slot(smem);
         const int producers = Mainloop::producer_threads(p);
         sm90::named_barrier_sync(Mainloop::kProducerBarrier, producers);  // every producer thread read the last one
         if (threadIdx.x == 0) {
             if (ring.tiles > 0) sm90::mbarrier_wait(Mainloop::unit_empty(smem), (ring.tiles - 1) & 1);
-            st_shared_b32(slot, unsigned(atomicAdd(fwd_tile_counter(p), 1)));
+            st_shared_b32(slot, unsigned(take_unit<kBlockM>(p, tiles)));
             sm90::mbarrier_arrive(Mainloop::unit_full(smem));
         }
         sm90::named_barrier_sync(Mainloop::kProducerBarrier, producers);
         return int(ld_shared_b32(slot));
+    }
+    // The queue's next unit with work to hand over, by producer thread 0. Packed sequences: the grid covers the
+    // longest (params.seqlen_q), so most units of a short sequence lie past its rows; handed over, each cost a
+    // round of the unit and Q barriers on both sides (H200, session 52: a varlen forward of 32 documents, 2220
+    // rows the longest, 9216 units for 2304 with rows: 0.294 ms, and 0.456 ms with 4x the max_seqlen, i.e. ~6 ns
+    // of the whole GPU's time per unit past). Those units are taken and dropped here, while the consumers work
+    // on the unit before. A unit of a single tile (the queue's: general masks, unpaired) lies past its sequence
+    // when its query block starts at or past the sequence's length. Longest first, a head's units run from its
+    // last query block down, so those past the sequence open the head's run, together: once one is seen, the
+    // rest of them go at once by a compare-and-swap where the counter still points right after it (else one at
+    // a time).
+    template <int kBlockM, typename Tiles>
+    __device__ __forceinline__ int take_unit(const AttnParams& p, const Tiles& tiles) const {
+        constexpr bool kLongestFirst = true;  // the general masks' order (flash_fwd_ws: kMask != kNoMask)
+        static_assert(!Tiles::kPairs, "the queue's units are single tiles");
+        int* counter = fwd_tile_counter(p);
+        int u = atomicAdd(counter, 1);
+        if (p.cu_seqlens_q == nullptr) return u;  // batched: every unit has rows
+        while (u < tiles.units) {
+            int m_block, h, b;
+            tiles.at(u, 0, kLongestFirst, m_block, h, b);
+            const int rows = SeqInfo::query_side<true>(p, b, h).seqlen_q;
+            if (m_block * kBlockM < rows) break;
+            // Blocks m_block >= ceil(rows / kBlockM) of this head lie past; longest first they are its units
+            // j = 0 .. num_m - 1 - that count, this one being j.
+            const int past = tiles.num_m - (rows + kBlockM - 1) / kBlockM;
+            const int next = u - u % tiles.per_head + past;  // the head's first unit with rows
+            if (next > u + 1) atomicCAS(counter, u + 1, next);
+            u = atomicAdd(counter, 1);
+        }
+        return u;
     }
     __device__ __forceinline__ int receive(int units, FwdWsRing& ring) const {
         sm90::mbarrier_wait(Mainloop::unit_full(smem), ring.tiles & 1);
