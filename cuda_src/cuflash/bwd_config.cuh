@@ -26,13 +26,15 @@ constexpr int kDqAccumBlockRows = 128;
 // The dK/dV grid's order in chunks of heads. The grid is (key blocks, head groups, batch) and the hardware hands
 // CTAs out in linear order. This remaps the linear index so that, in chunks of `chunk` (head group, batch) pairs,
 // key block n of every pair in the chunk comes before key block n + 1 of any: a chunk holds about 16 MB of Q and
-// dO (its heads' shared L2 working set). Two uses on the warp-specialized dK/dV kernel:
+// dO (its heads' shared L2 working set). Three uses on the warp-specialized dK/dV kernel:
 //   - causal (atomic dQ): key block n walks about (1 - n / key blocks) of the query blocks, so with n fastest
 //     each head's longest CTA is dispatched right after the previous head's shortest, and the last head's longest
 //     one starts when the others are nearly done (ncu, H200: D128 S4k causal 1278 us against 1199 for its share
 //     of the unmasked kernel's steps; a list-scheduling model of the grid: 6.5% over the ideal makespan). Here
 //     key blocks go longest first across the chunk's heads: the model's makespan within 0.3-1.5% of ideal at
 //     S1k-S16k.
+//   - the general masks (atomic dQ): walks follow the mask (a causal window's last key blocks walk fewer query
+//     blocks, documents' walks vary along the row); each head's long walks spread over the grid as under causal.
 //   - no mask, ordered dQ adds (dq_order.cuh): key block n adds into each query block right after key block
 //     n - 1, every CTA walking the query blocks in one order. With n fastest a head's key blocks start together
 //     and each one's adds queue behind the previous one's, a chain as long as the key blocks (H200, session 26:
