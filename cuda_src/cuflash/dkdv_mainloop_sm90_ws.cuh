@@ -204,12 +204,7 @@ struct DkdvMainloopSm90Ws {
     // The CTA's (key block, head group, batch) from its grid position: key blocks in chunks of heads
     // (chunked_grid_order, bwd_config.cuh) under causal and the general masks, unless the dQ adds are ordered
     // (those go last-first within a head: key_block); without a mask and with ordered adds, each head's key blocks
-    // staggered a chunk apart. Under causal that is longest first across heads; under a general mask the walks
-    // follow the mask (a window's last key blocks walk fewer query blocks, documents' vary), and key block n of
-    // every head of a chunk before key block n + 1 of any still spreads each head's long walks over the grid
-    // instead of dispatching the last head's all at the end (H200, RESULTS.md session 54: the features bench's
-    // documents dK/dV 388.8 -> 380.5 us; its window 656.6 -> 660.1, whose walks are nearly equal; a
-    // list-scheduling model had predicted 341 -> 327 and 604 -> 591 us of makespan).
+    // staggered a chunk apart (why, and what each use measured: chunked_grid_order's comment).
     static __device__ __forceinline__ void grid_position(const AttnParams& params, int heads, int& n_block,
                                                          int& group, int& b) {
         // Ordered dbias adds rank the CTAs in the grid's own (batch, head) order (dbias_order.cuh).
